@@ -1,0 +1,20 @@
+# The two commands a new user needs: `make demo` (the main job) and `make test` (every tier).
+.PHONY: bootstrap demo test lint clean
+VENV ?= .venv
+
+bootstrap:
+	@scripts/bootstrap.sh
+
+demo: bootstrap
+	$(VENV)/bin/testbed demo
+
+test: bootstrap
+	$(VENV)/bin/ruff check netem testbed tests benchmarks
+	$(VENV)/bin/python -m pytest -m "not netem_kernel" tests
+	$(VENV)/bin/testbed sandbox pytest -m netem_kernel tests
+
+lint: bootstrap
+	$(VENV)/bin/ruff check netem testbed tests benchmarks
+
+clean: bootstrap
+	$(VENV)/bin/testbed clean
