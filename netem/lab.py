@@ -1,0 +1,140 @@
+"""A throwaway network of hosts on one machine: one namespace per host, all on one bridge.
+
+The bridge lives in a namespace of its own (the "switch"), so a lab touches nothing in the
+root namespace and removing its namespaces removes every veth with them. Every name starts with
+the lab's prefix, which is how `clean` finds what a killed run left behind.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import secrets
+import subprocess
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from pyroute2 import NetNS, netns
+
+NAME_PREFIX = "tb"
+DEFAULT_SUBNET = "198.18.0.0/24"  # RFC 2544 benchmarking range: never routed anywhere
+
+
+@dataclass(frozen=True)
+class Host:
+    """One host of a lab: its namespace, its interface there and its address."""
+
+    index: int
+    netns: str
+    iface: str
+    address: str
+    switch_port: str
+
+
+@dataclass
+class Lab:
+    """Hosts in namespaces joined by a bridge. Use as a context manager; `close` is idempotent."""
+
+    size: int
+    prefix: str = field(default_factory=lambda: f"{NAME_PREFIX}{secrets.token_hex(2)}")
+    subnet: str = DEFAULT_SUBNET
+    mtu: int = 1500
+    hosts: list[Host] = field(default_factory=list, init=False)
+
+    @property
+    def switch(self) -> str:
+        return f"{self.prefix}-sw"
+
+    def __enter__(self) -> Lab:
+        try:
+            self.start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def start(self) -> None:
+        network = ipaddress.ip_network(self.subnet)
+        if self.size < 1 or self.size > network.num_addresses - 2:
+            raise ValueError(f"size: a lab on {self.subnet} holds 1..{network.num_addresses - 2}")
+        netns.create(self.switch)
+        with NetNS(self.switch) as switch:
+            switch.link("add", ifname="br0", kind="bridge")
+            (bridge,) = switch.link_lookup(ifname="br0")
+            switch.link("set", index=bridge, state="up", mtu=self.mtu)
+            switch.link("set", index=switch.link_lookup(ifname="lo")[0], state="up")
+            for index in range(self.size):
+                self.hosts.append(self._add_host(switch, bridge, network, index))
+
+    def _add_host(self, switch: NetNS, bridge: int, network, index: int) -> Host:
+        host = Host(
+            index=index,
+            netns=f"{self.prefix}-h{index}",
+            iface="eth0",
+            address=str(network.network_address + index + 1),
+            switch_port=f"p{index}",
+        )
+        netns.create(host.netns)
+        switch.link(
+            "add",
+            ifname=host.switch_port,
+            kind="veth",
+            peer={"ifname": host.iface, "net_ns_fd": host.netns},
+        )
+        (port,) = switch.link_lookup(ifname=host.switch_port)
+        switch.link("set", index=port, master=bridge, mtu=self.mtu, state="up")
+        with NetNS(host.netns) as ns:
+            (iface,) = ns.link_lookup(ifname=host.iface)
+            ns.link("set", index=iface, mtu=self.mtu, state="up")
+            ns.addr("add", index=iface, address=host.address, prefixlen=network.prefixlen)
+            ns.link("set", index=ns.link_lookup(ifname="lo")[0], state="up")
+        return host
+
+    def run(
+        self, host: Host, argv: Sequence[str], **kwargs
+    ) -> subprocess.CompletedProcess[str]:
+        """Run a command inside a host's namespace and wait for it."""
+        kwargs.setdefault("text", True)
+        kwargs.setdefault("capture_output", True)
+        return subprocess.run(["ip", "netns", "exec", host.netns, *argv], **kwargs)
+
+    def popen(self, host: Host, argv: Sequence[str], **kwargs) -> subprocess.Popen[str]:
+        """Start a command inside a host's namespace."""
+        kwargs.setdefault("text", True)
+        return subprocess.Popen(["ip", "netns", "exec", host.netns, *argv], **kwargs)
+
+    def close(self) -> None:
+        remove_namespaces(self.prefix)
+        self.hosts.clear()
+
+
+def lab_namespaces(prefix: str = NAME_PREFIX) -> list[str]:
+    """Namespaces whose name marks them as made by a lab with this prefix."""
+    return sorted(name for name in netns.listnetns() if _is_ours(name, prefix))
+
+
+def remove_namespaces(prefix: str = NAME_PREFIX) -> list[str]:
+    """Kill the processes inside and delete every namespace of labs with this prefix."""
+    removed = []
+    for name in lab_namespaces(prefix):
+        _kill_processes_in(name)
+        netns.remove(name)
+        removed.append(name)
+    return removed
+
+
+def _is_ours(name: str, prefix: str) -> bool:
+    head, _, tail = name.partition("-")
+    return head.startswith(prefix) and (tail == "sw" or tail.startswith("h"))
+
+
+def _kill_processes_in(name: str) -> None:
+    result = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True)
+    for pid in result.stdout.split():
+        try:
+            os.kill(int(pid), 9)
+        except ProcessLookupError:
+            pass

@@ -1,0 +1,116 @@
+"""Parsing of the human units that link profiles are written in ("10ms", "5%", "100mbit").
+
+Every parser accepts either a number in base units (seconds, a 0..1 fraction, bits per second)
+or a string with a unit, and raises ``ValueError`` with a message that says what is allowed.
+"""
+
+from __future__ import annotations
+
+import re
+
+_NUMBER = r"([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)"
+
+_TIME_UNITS = {
+    "": 1.0,
+    "s": 1.0,
+    "sec": 1.0,
+    "ms": 1e-3,
+    "msec": 1e-3,
+    "us": 1e-6,
+    "usec": 1e-6,
+    "ns": 1e-9,
+    "nsec": 1e-9,
+}
+_RATE_UNITS = {
+    "": 1,
+    "bit": 1,
+    "bps": 8,
+    "kbit": 10**3,
+    "mbit": 10**6,
+    "gbit": 10**9,
+    "tbit": 10**12,
+    "kbps": 8 * 10**3,
+    "mbps": 8 * 10**6,
+    "gbps": 8 * 10**9,
+}
+TIME_HELP = "a duration such as '10ms', '1.5s', '250us' or a number of seconds"
+FRACTION_HELP = "a percentage such as '5%' or a fraction between 0 and 1"
+RATE_HELP = "a rate such as '100mbit', '1gbit', '500kbit' (bits/s) or '10mbps' (bytes/s)"
+
+
+def _split(text: str, units: dict, help_text: str) -> tuple[float, str]:
+    match = re.fullmatch(_NUMBER + r"\s*([a-zA-Z%]*)", text.strip())
+    if not match or match.group(2).lower() not in units:
+        raise ValueError(f"expected {help_text}, got {text!r}")
+    return float(match.group(1)), match.group(2).lower()
+
+
+def _number(value: object, help_text: str) -> float | None:
+    """Return a plain number, or None if ``value`` is a string to parse; reject other types."""
+    if isinstance(value, bool):
+        raise ValueError(f"expected {help_text}, got {value!r}")
+    if isinstance(value, int | float):
+        return float(value)
+    if isinstance(value, str):
+        return None
+    raise ValueError(f"expected {help_text}, got {value!r}")
+
+
+def parse_time(value: object) -> float:
+    """Seconds from '10ms', '1.5s', '250us', '3ns' or a number of seconds."""
+    number = _number(value, TIME_HELP)
+    if number is None:
+        magnitude, unit = _split(str(value), _TIME_UNITS, TIME_HELP)
+        number = magnitude * _TIME_UNITS[unit]
+    if number < 0:
+        raise ValueError(f"expected {TIME_HELP} (not negative), got {value!r}")
+    return number
+
+
+def parse_fraction(value: object) -> float:
+    """A probability 0..1 from '5%', '0.5%' or a fraction such as 0.05."""
+    number = _number(value, FRACTION_HELP)
+    if number is None:
+        text = str(value).strip()
+        if text.endswith("%"):
+            magnitude, _ = _split(text[:-1], {"": 1}, FRACTION_HELP)
+            number = magnitude / 100.0
+        else:
+            number, _ = _split(text, {"": 1}, FRACTION_HELP)
+    if not 0.0 <= number <= 1.0:
+        raise ValueError(f"expected {FRACTION_HELP}, got {value!r}")
+    return number
+
+
+def parse_rate(value: object) -> int:
+    """Bits per second from '100mbit', '1gbit', '10mbps' (bytes) or a number of bits/s."""
+    number = _number(value, RATE_HELP)
+    if number is None:
+        magnitude, unit = _split(str(value), _RATE_UNITS, RATE_HELP)
+        number = magnitude * _RATE_UNITS[unit]
+    if number <= 0:
+        raise ValueError(f"expected {RATE_HELP} (greater than zero), got {value!r}")
+    return round(number)
+
+
+def format_time(seconds: float) -> str:
+    """The shortest exact-enough human form: '20ms', '1.5s', '250us'."""
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
+        if seconds >= scale:
+            return f"{_trim(seconds / scale)}{unit}"
+    return f"{round(seconds * 1e9)}ns"
+
+
+def format_fraction(fraction: float) -> str:
+    return f"{_trim(fraction * 100)}%"
+
+
+def format_rate(bits_per_second: int) -> str:
+    for unit, scale in (("gbit", 10**9), ("mbit", 10**6), ("kbit", 10**3)):
+        if bits_per_second >= scale:
+            return f"{_trim(bits_per_second / scale)}{unit}"
+    return f"{bits_per_second}bit"
+
+
+def _trim(number: float) -> str:
+    return f"{number:.6f}".rstrip("0").rstrip(".")

@@ -1,0 +1,1 @@
+"""The testbed: scenarios, clusters of workers, collectives, metrics and reports."""

@@ -1,0 +1,56 @@
+"""Test tiers. `netns` needs root on the host kernel; `netem_kernel` needs sch_netem (the UML
+guest provides it: `testbed sandbox pytest -m netem_kernel`). A tier whose requirements are
+missing fails under CI and is skipped, with the reason, elsewhere."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from netem.lab import Lab
+
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def _missing(marker: str) -> str | None:
+    if os.geteuid() != 0:
+        return "needs root (network namespaces, qdiscs)"
+    if marker == "netem_kernel":
+        from netem.capabilities import netem_available
+
+        if not netem_available():
+            return (
+                "needs a kernel with sch_netem; this one has none: run this tier in the UML "
+                "guest with `testbed sandbox pytest -m netem_kernel tests` (make test does)"
+            )
+    return None
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    for marker in ("netns", "netem_kernel"):
+        if item.get_closest_marker(marker) is None:
+            continue
+        reason = _missing(marker)
+        if reason is None:
+            continue
+        if IN_CI:
+            pytest.fail(f"tier {marker!r} cannot run in CI: {reason}", pytrace=False)
+        pytest.skip(f"tier {marker!r}: {reason}")
+
+
+@pytest.fixture
+def make_lab() -> Iterator[Callable[..., Lab]]:
+    """Build labs (namespaces on a bridge) that are removed when the test ends, pass or fail."""
+    labs: list[Lab] = []
+
+    def build(size: int, **kwargs) -> Lab:
+        lab = Lab(size, **kwargs)
+        labs.append(lab)
+        lab.start()
+        return lab
+
+    yield build
+    for lab in labs:
+        lab.close()
