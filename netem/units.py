@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-_NUMBER = r"([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)"
+_NUMBER = r"(-?[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)"
 
 _TIME_UNITS = {
     "": 1.0,
@@ -94,23 +94,25 @@ def parse_rate(value: object) -> int:
 
 
 def format_time(seconds: float) -> str:
-    """The shortest exact-enough human form: '20ms', '1.5s', '250us'."""
-    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
+    """The shortest exact human form, to the nanosecond: '20ms', '1.5s', '250us'."""
+    for unit, digits in (("s", 9), ("ms", 6), ("us", 3)):
+        scale = 10.0 ** (digits - 9)
         if seconds >= scale:
-            return f"{_trim(seconds / scale)}{unit}"
+            return f"{_trim(seconds / scale, digits)}{unit}"
     return f"{round(seconds * 1e9)}ns"
 
 
 def format_fraction(fraction: float) -> str:
-    return f"{_trim(fraction * 100)}%"
+    """A percentage exact to the 9 decimals a fraction is kept to: '5%', '0.0001%'."""
+    return f"{_trim(fraction * 100, 7)}%"
 
 
 def format_rate(bits_per_second: int) -> str:
-    for unit, scale in (("gbit", 10**9), ("mbit", 10**6), ("kbit", 10**3)):
-        if bits_per_second >= scale:
-            return f"{_trim(bits_per_second / scale)}{unit}"
+    for unit, digits in (("gbit", 9), ("mbit", 6), ("kbit", 3)):
+        if bits_per_second >= 10**digits:
+            return f"{_trim(bits_per_second / 10**digits, digits)}{unit}"
     return f"{bits_per_second}bit"
 
 
-def _trim(number: float) -> str:
-    return f"{number:.6f}".rstrip("0").rstrip(".")
+def _trim(number: float, digits: int) -> str:
+    return f"{number:.{digits}f}".rstrip("0").rstrip(".")
