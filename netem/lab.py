@@ -7,6 +7,7 @@ the lab's prefix, which is how `clean` finds what a killed run left behind.
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import os
 import secrets
@@ -134,7 +135,5 @@ def _is_ours(name: str, prefix: str) -> bool:
 def _kill_processes_in(name: str) -> None:
     result = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True)
     for pid in result.stdout.split():
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(int(pid), 9)
-        except ProcessLookupError:
-            pass

@@ -52,7 +52,7 @@ class GilbertElliott(BaseModel):
     """Bursty loss: a two-state Markov chain (netem's `loss gemodel p r 1-h 1-k`).
 
     The chain moves good -> bad with probability `p` and bad -> good with `r` per packet; a packet
-    is lost with probability `loss_bad` (1-h) in the bad state and `loss_good` (1-k) in the good one.
+    is lost with probability `loss_bad` (1-h) in the bad state, `loss_good` (1-k) in the good one.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)

@@ -43,7 +43,11 @@ def test_parse_rate(text, bits):
         ({"delay": "-5ms"}, "delay", "not negative"),
         ({"rate": "0mbit"}, "rate", "greater than zero"),
         ({"rate": "fast"}, "rate", "100mbit"),
-        ({"distribution": "gauss", "delay": "1ms", "jitter": "1ms"}, "distribution", "paretonormal"),
+        (
+            {"distribution": "gauss", "delay": "1ms", "jitter": "1ms"},
+            "distribution",
+            "paretonormal",
+        ),
         ({"lose": "5%"}, "lose", "allowed: delay, jitter"),
         ({"limit": 0}, "limit", "greater than or equal to 1"),
         ({"gap": -1}, "gap", "greater than or equal to 0"),
