@@ -14,11 +14,13 @@ import secrets
 import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from pyroute2 import NetNS, netns
 
 NAME_PREFIX = "tb"
 DEFAULT_SUBNET = "198.18.0.0/24"  # RFC 2544 benchmarking range: never routed anywhere
+OWNERS = Path("/run/netem-testbed/labs")  # one file per live lab: "<pid> <process start time>"
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,8 @@ class Lab:
         network = ipaddress.ip_network(self.subnet)
         if self.size < 1 or self.size > network.num_addresses - 2:
             raise ValueError(f"size: a lab on {self.subnet} holds 1..{network.num_addresses - 2}")
+        OWNERS.mkdir(parents=True, exist_ok=True)
+        (OWNERS / self.prefix).write_text(_process_identity(os.getpid()))
         netns.create(self.switch)
         with NetNS(self.switch) as switch:
             switch.link("add", ifname="br0", kind="bridge")
@@ -94,9 +98,7 @@ class Lab:
             ns.link("set", index=ns.link_lookup(ifname="lo")[0], state="up")
         return host
 
-    def run(
-        self, host: Host, argv: Sequence[str], **kwargs
-    ) -> subprocess.CompletedProcess[str]:
+    def run(self, host: Host, argv: Sequence[str], **kwargs) -> subprocess.CompletedProcess[str]:
         """Run a command inside a host's namespace and wait for it."""
         kwargs.setdefault("text", True)
         kwargs.setdefault("capture_output", True)
@@ -109,6 +111,7 @@ class Lab:
 
     def close(self) -> None:
         remove_namespaces(self.prefix)
+        (OWNERS / self.prefix).unlink(missing_ok=True)
         self.hosts.clear()
 
 
@@ -117,14 +120,39 @@ def lab_namespaces(prefix: str = NAME_PREFIX) -> list[str]:
     return sorted(name for name in netns.listnetns() if _is_ours(name, prefix))
 
 
-def remove_namespaces(prefix: str = NAME_PREFIX) -> list[str]:
-    """Kill the processes inside and delete every namespace of labs with this prefix."""
+def remove_namespaces(prefix: str = NAME_PREFIX, *, orphans_only: bool = False) -> list[str]:
+    """Kill the processes inside and delete every namespace of labs with this prefix.
+
+    With `orphans_only`, labs whose owning process is still running are left alone, so a clean
+    never pulls the network from under a live run.
+    """
     removed = []
     for name in lab_namespaces(prefix):
+        lab = name.partition("-")[0]
+        if orphans_only and _owner_alive(lab):
+            continue
         _kill_processes_in(name)
         netns.remove(name)
+        (OWNERS / lab).unlink(missing_ok=True)
         removed.append(name)
     return removed
+
+
+def _owner_alive(lab: str) -> bool:
+    try:
+        pid, _ = (OWNERS / lab).read_text().split()
+    except (OSError, ValueError):
+        return False
+    return _process_identity(int(pid)) == (OWNERS / lab).read_text()
+
+
+def _process_identity(pid: int) -> str:
+    """pid plus its start time, so a recycled pid is not mistaken for the owner."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return ""
+    return f"{pid} {stat.rpartition(')')[2].split()[19]}"
 
 
 def _is_ours(name: str, prefix: str) -> bool:

@@ -23,15 +23,28 @@ def main() -> None:
 def clean() -> None:
     """Remove what a killed run left: its namespaces (with veths, ifbs, nft tables) and processes.
 
-    Only names with the testbed's prefix are touched.
+    Only names with the testbed's prefixes are touched: labs (`tb…-h…`, `tb…-sw`), capability
+    probes (`tbcap-…`) and the work directories of guests that are no longer running.
     """
+    from pyroute2 import netns
     from rich.console import Console
 
+    from netem.capabilities import NETNS_PREFIX
     from netem.lab import remove_namespaces
+    from testbed.sandbox import remove_stale_workdirs
 
-    removed = remove_namespaces()
+    removed = remove_namespaces(orphans_only=True)
+    for name in netns.listnetns():
+        if name.startswith(NETNS_PREFIX):
+            netns.remove(name)
+            removed.append(name)
+    stale = remove_stale_workdirs()
     listing = f": {', '.join(removed)}" if removed else ""
-    Console().print(f"removed {len(removed)} namespace(s){listing}")
+    console = Console()
+    console.print(f"removed {len(removed)} namespace(s){listing}")
+    console.print(
+        f"removed {len(stale)} stale guest work director{'y' if len(stale) == 1 else 'ies'}"
+    )
 
 
 @app.command()

@@ -669,3 +669,25 @@ def describe(kernel: UmlKernel) -> str:
         f"libc6 {kernel.libc_package}) at {kernel.binary}"
     )
 
+
+
+def remove_stale_workdirs() -> list[Path]:
+    """Delete guest work directories whose guest is gone (left when the caller was SIGKILLed)."""
+    tmp = Path(tempfile.gettempdir())
+    candidates = sorted(tmp.glob("tb-uml-*"))
+    if not candidates:
+        return []
+    running = b"\0".join(
+        _read_bytes(cmdline) for cmdline in Path("/proc").glob("[0-9]*/cmdline")
+    )
+    stale = [path for path in candidates if os.fsencode(path) not in running]
+    for path in stale:
+        shutil.rmtree(path, ignore_errors=True)
+    return stale
+
+
+def _read_bytes(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError:  # the process ended while we looked
+        return b""

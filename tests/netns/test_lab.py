@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 from pyroute2 import netns
 from typer.testing import CliRunner
 
-from netem.lab import Lab, lab_namespaces
+from netem.lab import Lab, lab_namespaces, remove_namespaces
 from testbed.cli import app
 
 pytestmark = pytest.mark.netns
@@ -30,22 +33,42 @@ def test_close_removes_every_namespace():
     assert lab_namespaces(prefix) == []
 
 
-def test_clean_removes_a_killed_run_and_nothing_else():
-    lab = Lab(2)
-    lab.start()  # never closed: as if the run was killed
-    bystander = f"other-{lab.prefix}"
+def test_clean_removes_a_killed_run_and_nothing_else(make_lab):
+    live = make_lab(1)
+    bystander = f"other-{live.prefix}"
     netns.create(bystander)
-    sleeper = lab.popen(lab.hosts[0], ["sleep", "600"])
+    killed_prefix = f"{live.prefix}k"
+    owner = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import subprocess, sys; from netem.lab import Lab; "
+            f"lab = Lab(2, prefix={killed_prefix!r}); lab.start(); "
+            "sleeper = lab.popen(lab.hosts[0], ['sleep', '600']); "
+            "print(sleeper.pid, flush=True); sys.stdin.read()",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
+        sleeper_pid = int(owner.stdout.readline())
+        owner.kill()  # SIGKILL: the lab's own clean-up never runs
+        owner.wait(timeout=10)
+        assert len(lab_namespaces(killed_prefix)) == 3
+
         result = CliRunner().invoke(app, ["clean"])
+
         assert result.exit_code == 0, result.output
-        assert lab.switch in result.output
-        assert lab_namespaces(lab.prefix) == []
-        assert sleeper.wait(timeout=10) != 0  # killed with its namespace
+        assert f"{killed_prefix}-sw" in result.output
+        assert lab_namespaces(killed_prefix) == []
+        assert _ended(sleeper_pid, within=5.0), "the process inside the lab survived"
+        assert len(lab_namespaces(live.prefix)) == 2, "a live lab was removed"
         assert bystander in netns.listnetns()
     finally:
-        sleeper.kill()
+        owner.kill()
         netns.remove(bystander)
+        remove_namespaces(killed_prefix)
 
 
 def test_mtu_applies_to_hosts_and_switch_ports(make_lab):
@@ -58,3 +81,17 @@ def test_mtu_applies_to_hosts_and_switch_ports(make_lab):
             check=True,
         ).stdout
         assert " mtu 9000 " in shown, shown
+
+
+def _ended(pid: int, within: float) -> bool:
+    """Whether the process is gone or a zombie (its reaper may be slow) within the time."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+        except OSError:
+            return True
+        if state == "Z":
+            return True
+        time.sleep(0.01)
+    return False
