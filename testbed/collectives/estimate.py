@@ -1,0 +1,95 @@
+"""The numerics of the lossy all-reduce (after Weintraub, Banner and Orda).
+
+A shard owner receives each peer's slice of its shard as chunks (one datagram each); whatever
+did not arrive by the deadline is missing. Per chunk it averages the contributions that did
+arrive (its own always does). Which datagrams are lost does not depend on their values, so for
+gradients drawn independently around the true gradient this mean is an unbiased estimate of it,
+with a variance that grows only as fewer peers contribute.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+
+class ChunkAccumulator:
+    """Running per-chunk sums and contribution counts of one shard; no per-peer copies kept."""
+
+    def __init__(self, numel: int, chunk_numel: int, dtype: torch.dtype = torch.float32) -> None:
+        if chunk_numel < 1:
+            raise ValueError(f"chunk_numel: needs at least 1, got {chunk_numel}")
+        self.numel = numel
+        self.chunk_numel = chunk_numel
+        self.chunks = max(1, math.ceil(numel / chunk_numel))
+        self.total = torch.zeros(numel, dtype=dtype)
+        self.weight = torch.zeros(self.chunks, dtype=torch.float64)
+
+    def bounds(self, chunk: int) -> tuple[int, int]:
+        start = chunk * self.chunk_numel
+        return start, min(start + self.chunk_numel, self.numel)
+
+    def add_chunk(self, chunk: int, values: torch.Tensor, weight: float = 1.0) -> None:
+        """Add one received chunk; `weight` is e.g. the micro-batches behind it (DropCompute)."""
+        start, end = self.bounds(chunk)
+        if values.numel() != end - start:
+            raise ValueError(f"chunk {chunk}: expected {end - start} values, got {values.numel()}")
+        self.total[start:end].add_(values, alpha=weight)
+        self.weight[chunk] += weight
+
+    def add_all(self, values: torch.Tensor, weight: float = 1.0) -> None:
+        """Add a whole contribution at once (the owner's own, which never travels)."""
+        self.total.add_(values, alpha=weight)
+        self.weight += weight
+
+    def coverage(self) -> torch.Tensor:
+        """Total weight that arrived per chunk."""
+        return self.weight.clone()
+
+    def mean(self) -> torch.Tensor:
+        """Per-chunk weighted mean of what arrived; chunks nobody sent stay zero."""
+        per_element = self.weight.repeat_interleave(self.chunk_numel)[: self.numel]
+        return self.total / per_element.clamp_min(1e-12).to(self.total.dtype)
+
+
+@dataclass
+class AdaptiveDeadline:
+    """How long an owner waits for chunks, learned from when the last chunk arrived recently.
+
+    Lost chunks never arrive, so the observed signal is the arrival time of the last chunk that
+    did; the deadline is a high quantile of recent ones times a margin, within [floor, ceiling].
+    A step that has everything in hand ends at once, whatever the deadline.
+    """
+
+    floor: float = 0.005
+    ceiling: float = 5.0
+    initial: float = 1.0
+    quantile: float = 0.9
+    margin: float = 1.5
+    window: int = 32
+    history: deque[float] = field(default_factory=deque, init=False)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.floor <= self.initial <= self.ceiling:
+            raise ValueError("deadline: needs 0 < floor <= initial <= ceiling")
+        self.history = deque(maxlen=self.window)
+
+    @property
+    def seconds(self) -> float:
+        if not self.history:
+            return self.initial
+        ordered = sorted(self.history)
+        value = ordered[min(len(ordered) - 1, int(self.quantile * len(ordered)))] * self.margin
+        return min(self.ceiling, max(self.floor, value))
+
+    def observe(self, last_arrival: float, late_chunks: int = 0) -> None:
+        """Record a step: when its last in-time chunk came, and how many came after the deadline.
+
+        Lost chunks do not move the deadline (they never come); late ones mean it was too short,
+        so such a step is recorded as the deadline raised by the margin.
+        """
+        late = max(last_arrival, self.seconds * self.margin)
+        self.history.append(late if late_chunks else last_arrival)
