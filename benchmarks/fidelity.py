@@ -1,0 +1,312 @@
+"""Fidelity benchmark: configure links, measure them with probe trains, tabulate both.
+
+Full netem runs where the kernel has sch_netem: here, inside a User-Mode Linux guest
+(testbed.sandbox), because the host kernel has none. The fallback (nftables loss, tbf rate) runs
+on the host. Writes benchmarks/results/fidelity.md.
+
+    .venv/bin/python benchmarks/fidelity.py [--output PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from netem.capabilities import netem_available  # noqa: E402
+from netem.lab import Lab  # noqa: E402
+from netem.probe import Check, compare, offered_load, probe  # noqa: E402
+from netem.profile import LinkProfile  # noqa: E402
+
+RESULTS = REPO / "benchmarks" / "results" / "fidelity.md"
+HEADLINE = {  # profile field -> the checks that measure it
+    "loss": ("loss", "loss burst mean"),
+    "gilbert_elliott": ("loss", "loss burst mean"),
+    "delay": ("delay mean",),
+    "jitter": ("jitter (stdev)",),
+    "reorder": ("reorder (overtaking)",),
+    "duplicate": ("duplicate",),
+    "corrupt": ("corrupt",),
+    "rate": ("rate",),
+}
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    spec: dict[str, Any]
+    count: int = 5000
+    size: int = 128
+    interval: float = 0.0004
+
+    @property
+    def profile(self) -> LinkProfile:
+        return LinkProfile.parse(self.spec)
+
+
+NETEM_CASES = (
+    Case("loss 1%", {"loss": "1%"}, count=10_000),
+    Case("loss 10%", {"loss": "10%"}, count=10_000),
+    Case("loss 30%", {"loss": "30%"}, count=20_000),
+    Case("Gilbert-Elliott p=2% r=25%", {"gilbert_elliott": {"p": "2%", "r": "25%"}}, count=30_000),
+    Case("random loss at the same mean (7.41%)", {"loss": 0.074074074}, count=10_000),
+    Case("delay 20ms jitter 5ms", {"delay": "20ms", "jitter": "5ms"}),
+    Case("delay 10ms reorder 25%", {"delay": "10ms", "reorder": "25%"}),
+    Case("duplicate 5%", {"duplicate": "5%"}),
+    Case("corrupt 5%", {"corrupt": "5%"}, size=1024),
+    Case("rate 10mbit", {"rate": "10mbit"}),
+    Case("rate 100mbit", {"rate": "100mbit"}),
+    Case(
+        "WAN: delay 40ms jitter 8ms loss 2% rate 100mbit",
+        {"delay": "40ms", "jitter": "8ms", "loss": "2%", "rate": "100mbit"},
+        count=10_000,
+    ),
+)
+FALLBACK_CASES = (
+    Case("loss 10%", {"loss": "10%"}, count=20_000, interval=0.0001),
+    Case("loss 30%", {"loss": "30%"}, count=20_000, interval=0.0001),
+    Case("rate 10mbit", {"rate": "10mbit"}),
+    Case("rate 100mbit", {"rate": "100mbit"}),
+)
+
+
+@dataclass
+class Outcome:
+    case: str
+    backend: str
+    kernel: str
+    probes: int
+    seconds: float
+    checks: list[dict[str, Any]] = field(default_factory=list)
+
+
+def shape_netem(lab: Lab, host: int, profile: LinkProfile) -> None:
+    port = lab.hosts[host].switch_port
+    args = ["limit", str(profile.limit)]
+    if profile.delay:
+        args += ["delay", f"{profile.delay}s", f"{profile.jitter}s"]
+    if profile.loss:
+        args += ["loss", f"{profile.loss * 100}%"]
+    if profile.gilbert_elliott:
+        ge = profile.gilbert_elliott
+        args += [
+            "loss",
+            "gemodel",
+            *(f"{v * 100}%" for v in (ge.p, ge.r, ge.loss_bad, ge.loss_good)),
+        ]
+    for name in ("duplicate", "corrupt", "reorder"):
+        if getattr(profile, name):
+            args += [name, f"{getattr(profile, name) * 100}%"]
+    if profile.rate:
+        args += ["rate", f"{profile.rate}bit"]
+    subprocess.run(
+        [
+            "ip",
+            "netns",
+            "exec",
+            lab.switch,
+            "tc",
+            "qdisc",
+            "add",
+            "dev",
+            port,
+            "root",
+            "netem",
+            *args,
+        ],
+        check=True,
+    )
+
+
+def shape_fallback(lab: Lab, host: int, profile: LinkProfile) -> None:
+    port = lab.hosts[host].switch_port
+    if profile.rate:
+        subprocess.run(
+            [
+                "ip",
+                "netns",
+                "exec",
+                lab.switch,
+                "tc",
+                "qdisc",
+                "add",
+                "dev",
+                port,
+                "root",
+                "tbf",
+                "rate",
+                f"{profile.rate}bit",
+                "burst",
+                "32kb",
+                "latency",
+                "100ms",
+            ],
+            check=True,
+        )
+    if profile.loss:
+        subprocess.run(
+            [
+                "ip",
+                "netns",
+                "exec",
+                lab.switch,
+                "nft",
+                f"add table bridge tbloss; add chain bridge tbloss out {{ type filter "
+                f"hook forward priority 0; }}; add rule bridge tbloss out oifname {port} "
+                f"numgen random mod 1000000 < {round(profile.loss * 1e6)} drop",
+            ],
+            check=True,
+        )
+
+
+def run_cases(cases: tuple[Case, ...], backend: str) -> list[Outcome]:
+    """Each case on a fresh two-host lab: shape the link into h1, probe it from h0."""
+    shape = shape_netem if backend.startswith("netem") else shape_fallback
+    outcomes = []
+    for case in cases:
+        profile = case.profile
+        with Lab(2) as lab:
+            shape(lab, 1, profile)
+            a, b = lab.hosts
+            start = time.monotonic()
+            result = probe(
+                a.netns,
+                b.netns,
+                b.address,
+                count=case.count,
+                size=case.size,
+                interval=case.interval,
+                rate_duration=1.0 if profile.rate else 0.0,
+                offered_rate=offered_load(profile),
+            )
+            seconds = time.monotonic() - start
+        outcome = Outcome(case.name, backend, platform.release(), result.sent, seconds)
+        outcome.checks = [dataclasses.asdict(check) for check in compare(profile, result)]
+        outcomes.append(outcome)
+        print(f"{backend}: {case.name}: {seconds:.1f} s", file=sys.stderr, flush=True)
+    return outcomes
+
+
+def netem_outcomes() -> tuple[list[Outcome], str]:
+    """The netem cases, here if this kernel has netem, else in a guest."""
+    if netem_available():
+        return run_cases(NETEM_CASES, "netem"), "host kernel"
+    from testbed import sandbox
+
+    kernel = sandbox.prepare(quiet=True)
+    with tempfile.TemporaryDirectory(prefix="tb-fidelity-") as tmp:
+        out = Path(tmp) / "netem.json"
+        result = sandbox.run(
+            [sys.executable, __file__, "--guest-json", str(out)],
+            cwd=REPO,
+            stream=False,
+            kernel=kernel,
+        )
+        if result.returncode != 0:
+            raise SystemExit(f"the guest run failed ({result.returncode}):\n{result.output}")
+        outcomes = [Outcome(**item) for item in json.loads(out.read_text())]
+    return outcomes, (
+        f"user-mode-linux {kernel.uml_package} with libc6 {kernel.libc_package}, one vCPU"
+    )
+
+
+def row(case: str, backend: str, check: Check, probes: int) -> str:
+    verdict = {True: "pass", False: "**FAIL**"}.get(check.passed, f"not checked: {check.note}")
+    tolerance = "-" if math.isnan(check.tolerance) else f"± {check.show(check.tolerance)}"
+    return (
+        f"| {case} | {backend} | {check.quantity} | {check.show(check.configured)} | "
+        f"{check.show(check.measured)} | {tolerance} | {verdict} | {probes} |"
+    )
+
+
+def report(outcomes: list[Outcome], guest: str) -> str:
+    specs = {c.name: c for c in NETEM_CASES} | {f"fb:{c.name}": c for c in FALLBACK_CASES}
+    lines = []
+    others = passed_others = 0
+    for outcome in outcomes:
+        case = specs[outcome.case if outcome.backend.startswith("netem") else f"fb:{outcome.case}"]
+        wanted = {name for key in case.spec for name in HEADLINE.get(key, ())}
+        for item in outcome.checks:
+            check = Check(**item)
+            if check.quantity in wanted or check.passed is False:
+                lines.append(row(outcome.case, outcome.backend, check, outcome.probes))
+            elif check.passed is not None:
+                others += 1
+                passed_others += bool(check.passed)
+    host = platform.release()
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ),
+        platform.machine(),
+    )
+    kernels = sorted({(o.backend, o.kernel) for o in outcomes})
+    total = sum(1 for line in lines if "| pass |" in line or "FAIL" in line)
+    failed = sum(1 for line in lines if "FAIL" in line)
+    return "\n".join(
+        [
+            "# Fidelity: configured against measured",
+            "",
+            "Written by `benchmarks/fidelity.py` "
+            f"on {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC. "
+            f"Host: {cpu}, {os.cpu_count()} cores, Linux {host}, "
+            f"Python {platform.python_version()}.",
+            "Kernels: "
+            + "; ".join(f"{backend}: Linux {kernel}" for backend, kernel in kernels)
+            + f". netem ran in: {guest}.",
+            "",
+            "Each case builds a fresh lab (two namespaces on a bridge), shapes the link into h1",
+            "on the switch-side port, and sends a timed probe train from h0 (UDP, the stated",
+            "number of probes of 128 bytes, 1024 for corruption, every 400 us; every 100 us for",
+            "the host's loss cases), plus a one-second bulk train for rates. Tolerances and the",
+            "meaning of each quantity: docs/probes.md. `netem-in-UML` runs inside a User-Mode",
+            "Linux guest (one vCPU); `fallback-host` is the host kernel's nftables loss and tbf",
+            "rate. The links are shaped with `tc`/`nft` commands by this script itself (netem's",
+            "`tc qdisc ... netem`; tbf, and an nft bridge-family drop rule on the port).",
+            "",
+            f"Headline checks: {total - failed} of {total} pass. Every other predicted quantity "
+            f"(no unexpected loss, duplication, corruption, reordering, delay; no probe dropped by "
+            f"its own receiver): {passed_others} of {others} pass.",
+            "",
+            "| case | backend | quantity | configured | measured | tolerance | pass | probes |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |",
+            *lines,
+            "",
+        ]
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--output", type=Path, default=RESULTS)
+    parser.add_argument("--guest-json", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.guest_json:  # inside the guest: the netem cases only, as JSON for the host
+        outcomes = run_cases(NETEM_CASES, "netem-in-UML")
+        args.guest_json.write_text(json.dumps([dataclasses.asdict(o) for o in outcomes]))
+        return
+    outcomes, guest = netem_outcomes()
+    outcomes += run_cases(FALLBACK_CASES, "fallback-host")
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(report(outcomes, guest))
+    print(f"wrote {args.output}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,401 @@
+"""Probe statistics and wire format on synthetic sequences: no sockets, no root."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from netem.probe import (
+    HEADER,
+    KIND_END,
+    STATUS_MALFORMED,
+    STATUS_OK,
+    STATUS_PAYLOAD_CORRUPT,
+    Check,
+    ProbeError,
+    ProbeResult,
+    Train,
+    bulk_rate,
+    compare,
+    decode,
+    encode,
+    expected_burst_mean,
+    first_arrivals,
+    late_arrivals,
+    loss_bursts,
+    overtaking_arrivals,
+    probe,
+    summarize,
+)
+from netem.profile import LinkProfile
+
+RUN = 0xC0FFEE
+
+
+def slots_of(datagrams: list[bytes], width: int) -> tuple[np.ndarray, np.ndarray]:
+    """What the receiver keeps: the first `width` bytes of each datagram and its real length."""
+    slots = np.zeros((len(datagrams), width), dtype=np.uint8)
+    for row, data in zip(slots, datagrams, strict=True):
+        kept = np.frombuffer(data[:width], dtype=np.uint8)
+        row[: kept.size] = kept
+    return slots, np.array([len(d) for d in datagrams], dtype=np.int64)
+
+
+def train(seq, *, sent: int, delays=None, payload_ok=None, **fields) -> Train:
+    seq = np.asarray(seq, dtype=np.int64)
+    sent_ns = seq * 1_000_000
+    delays_ns = np.asarray(delays if delays is not None else [0.01] * seq.size) * 1e9
+    return Train(
+        sent=sent,
+        size=128,
+        seq=seq,
+        sent_ns=sent_ns,
+        recv_ns=sent_ns + delays_ns.astype(np.int64),
+        payload_ok=np.ones(seq.size, bool) if payload_ok is None else np.asarray(payload_ok),
+        interval=0.001,
+        **fields,
+    )
+
+
+def perfect(n: int = 10_000, **changes) -> ProbeResult:
+    return dataclasses.replace(
+        summarize(train(np.arange(n), sent=n, delays=np.zeros(n))), **changes
+    )
+
+
+def by_name(checks: list[Check]) -> dict[str, Check]:
+    return {check.quantity: check for check in checks}
+
+
+# --- sequence statistics ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("lost", "bursts"),
+    [
+        ([0, 1, 1, 0, 1, 0, 0, 1, 1, 1], [2, 1, 3]),
+        ([1, 1, 1], [3]),
+        ([0, 0], []),
+        ([], []),
+        ([1, 0, 1], [1, 1]),
+    ],
+)
+def test_loss_bursts_are_runs_of_consecutive_losses(lost, bursts):
+    assert loss_bursts(np.array(lost, dtype=bool)).tolist() == bursts
+
+
+def test_duplicates_are_every_arrival_after_the_first():
+    assert first_arrivals(np.array([0, 1, 1, 2, 0, 3])).tolist() == [1, 1, 0, 1, 0, 1]
+
+
+def test_late_and_overtaking_arrivals():
+    # 3 jumps ahead of 2: 3 overtook, 2 arrived late (after a higher number).
+    seq = np.array([0, 1, 3, 2, 4])
+    assert late_arrivals(seq).tolist() == [0, 0, 0, 1, 0]
+    assert overtaking_arrivals(seq).tolist() == [0, 0, 1, 0, 0]
+    # One packet held back behind three: it alone is late, the three overtook it.
+    seq = np.array([1, 2, 3, 0, 4])
+    assert late_arrivals(seq).tolist() == [0, 0, 0, 1, 0]
+    assert overtaking_arrivals(seq).tolist() == [1, 1, 1, 0, 0]
+    assert late_arrivals(np.array([5])).tolist() == overtaking_arrivals(np.array([5])).tolist()
+
+
+def test_summary_of_a_train_with_every_impairment():
+    # 10 sent; 3 and 7,8 lost; 5 duplicated; 6 overtakes 4; 9's payload damaged; 2 malformed.
+    seq = [0, 1, 2, 6, 4, 5, 5, 9]
+    delays = [0.010, 0.012, 0.010, 0.001, 0.014, 0.010, 0.011, 0.010]
+    result = summarize(
+        train(seq, sent=10, delays=delays, payload_ok=[1, 1, 1, 1, 1, 1, 1, 0], malformed=2)
+    )
+    assert (result.sent, result.received, result.arrivals) == (10, 7, 8)
+    assert result.loss_ratio == pytest.approx(0.3)
+    assert result.loss_bursts == {1: 1, 2: 1}
+    assert (result.loss_burst_mean, result.loss_burst_max) == (1.5, 2)
+    assert result.duplicate_ratio == pytest.approx(1 / 7)
+    assert result.reorder_ratio == pytest.approx(2 / 7)  # 4 and 5 arrived after 6
+    assert result.overtake_ratio == pytest.approx(1 / 7)  # 6 arrived before 4 and 5
+    assert result.corrupt == 1
+    assert result.corrupt_ratio == pytest.approx(3 / 10)  # 1 damaged + 2 malformed of 10
+    assert result.delay_mean == pytest.approx(np.mean(delays))
+    assert result.delay_stdev == pytest.approx(np.std(delays))
+    assert (result.delay_min, result.delay_max) == (pytest.approx(0.001), pytest.approx(0.014))
+    assert result.delay_percentiles[50] == pytest.approx(np.median(delays))
+
+
+def test_send_errors_are_not_counted_as_losses():
+    result = summarize(train([0, 1, 3], sent=5, send_errors=np.array([2, 4])))
+    assert (result.sent, result.loss_ratio, result.send_errors) == (3, 0.0, 2)
+
+
+def test_an_empty_train_gives_nan_delays_not_an_error():
+    result = summarize(train([], sent=100))
+    assert result.loss_ratio == 1.0
+    assert result.loss_bursts == {100: 1}
+    assert math.isnan(result.delay_mean) and math.isnan(result.duplicate_ratio)
+
+
+def test_bulk_rate_from_even_and_from_clumped_arrivals():
+    frame = 1514
+    gap = frame * 8 / 10e6 * 1e9  # 10 Mbit/s
+    even = (np.arange(1000) * gap).astype(np.int64)
+    assert bulk_rate(even, frame) == pytest.approx(10e6, rel=1e-6)
+    # Batches of 44 frames that cross the shaper whole and arrive at one instant each.
+    clumped = np.repeat(np.arange(25) * 44 * gap, 44).astype(np.int64)
+    assert bulk_rate(clumped, frame) == pytest.approx(10e6, rel=1e-6)
+    assert math.isnan(bulk_rate(np.array([5]), frame))
+
+
+# --- wire format --------------------------------------------------------------------------
+
+
+def test_probes_round_trip():
+    datagrams = [encode(RUN, seq, 10**18 + seq, 64) for seq in range(5)]
+    datagrams.append(encode(RUN, 5, 7, 64, kind=KIND_END))
+    decoded = decode(*slots_of(datagrams, 64), run=RUN, size=64)
+    assert decoded.status.tolist() == [STATUS_OK] * 6
+    assert decoded.seq.tolist() == list(range(6))
+    assert decoded.sent_ns.tolist() == [10**18 + s for s in range(5)] + [7]
+    assert decoded.kind.tolist() == [0] * 5 + [KIND_END]
+
+
+def test_every_single_flipped_bit_is_detected():
+    size = 64
+    original = np.frombuffer(encode(RUN, 12345, 1_700_000_000_123_456_789, size), np.uint8)
+    bits = np.arange(size * 8)
+    flipped = np.tile(original, (bits.size, 1))
+    flipped[bits, bits // 8] ^= (1 << (bits % 8)).astype(np.uint8)
+    decoded = decode(flipped, np.full(bits.size, size), run=RUN, size=size)
+    in_header = bits < HEADER.size * 8
+    assert (decoded.status[in_header] == STATUS_MALFORMED).all()
+    assert (decoded.status[~in_header] == STATUS_PAYLOAD_CORRUPT).all()
+    # A damaged payload leaves the header trustworthy: the probe still counts as arrived.
+    assert (decoded.seq[~in_header] == 12345).all()
+
+
+def test_foreign_runs_wrong_sizes_and_short_slots_are_malformed():
+    datagrams = [
+        encode(RUN + 1, 0, 0, 64),  # another run
+        encode(RUN, 0, 0, 64)[:40],  # truncated
+        encode(RUN, 0, 0, 64) + b"x",  # too long
+        b"",
+    ]
+    decoded = decode(*slots_of(datagrams, 64), run=RUN, size=64)
+    assert decoded.status.tolist() == [STATUS_MALFORMED] * 4
+    narrow = decode(np.zeros((2, 8), np.uint8), np.array([64, 64]), run=RUN, size=64)
+    assert narrow.status.tolist() == [STATUS_MALFORMED] * 2
+
+
+def test_a_receiver_that_keeps_only_headers_still_decodes():
+    datagrams = [encode(RUN, seq, seq, 1472) for seq in range(3)]
+    decoded = decode(*slots_of(datagrams, HEADER.size), run=RUN, size=1472)
+    assert decoded.status.tolist() == [STATUS_OK] * 3
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    datagrams=st.lists(st.binary(max_size=200), max_size=20),
+    width=st.integers(0, 200),
+    size=st.integers(0, 200),
+    run=st.integers(0, 2**32 - 1),
+)
+def test_the_decoder_never_raises_on_arbitrary_bytes(datagrams, width, size, run):
+    decoded = decode(*slots_of(datagrams, width), run=run, size=size)
+    assert decoded.status.shape == decoded.seq.shape == (len(datagrams),)
+    assert set(decoded.status.tolist()) <= {STATUS_OK, STATUS_PAYLOAD_CORRUPT, STATUS_MALFORMED}
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.binary(min_size=HEADER.size, max_size=HEADER.size), tail=st.binary(max_size=64))
+def test_random_headers_are_not_taken_for_probes(data, tail):
+    decoded = decode(*slots_of([data + tail], HEADER.size + 64), run=RUN, size=HEADER.size + 64)
+    assert decoded.status.tolist() == [STATUS_MALFORMED]
+
+
+# --- compare ------------------------------------------------------------------------------
+
+
+def test_a_perfect_link_passes_against_a_perfect_profile():
+    checks = compare(LinkProfile(), perfect())
+    assert all(check.passed in (True, None) for check in checks)
+    assert by_name(checks)["loss burst mean"].passed is None
+
+
+@pytest.mark.parametrize(("measured", "passed"), [(0.114, True), (0.086, True), (0.116, False)])
+def test_loss_within_one_and_a_half_points(measured, passed):
+    check = by_name(compare(LinkProfile.parse(loss="10%"), perfect(loss_ratio=measured)))["loss"]
+    assert check.tolerance == pytest.approx(0.015)
+    assert check.passed is passed
+
+
+def test_loss_tolerance_widens_below_5000_probes():
+    check = by_name(compare(LinkProfile.parse(loss="10%"), perfect(1250, loss_ratio=0.1)))["loss"]
+    assert check.tolerance == pytest.approx(0.03)
+
+
+@pytest.mark.parametrize(("mean", "passed"), [(0.0209, True), (0.0191, True), (0.0211, False)])
+def test_delay_mean_within_five_percent(mean, passed):
+    profile = LinkProfile.parse(delay="20ms", jitter="5ms")
+    result = perfect(delay_mean=mean, delay_stdev=0.005 / math.sqrt(3))
+    checks = by_name(compare(profile, result))
+    assert checks["delay mean"].passed is passed
+    assert checks["jitter (stdev)"].configured == pytest.approx(0.005 / math.sqrt(3))
+    assert checks["jitter (stdev)"].passed is True
+
+
+def test_jitter_of_a_table_distribution_is_its_standard_deviation():
+    profile = LinkProfile.parse(delay="20ms", jitter="5ms", distribution="normal")
+    check = by_name(compare(profile, perfect(delay_mean=0.02, delay_stdev=0.0061)))
+    assert check["jitter (stdev)"].configured == pytest.approx(0.005)
+    assert check["jitter (stdev)"].passed is False  # 22% off
+
+
+@pytest.mark.parametrize(("rate", "passed"), [(10.9e6, True), (9.1e6, True), (8.9e6, False)])
+def test_rate_within_ten_percent(rate, passed):
+    checks = by_name(compare(LinkProfile.parse(rate="10mbit"), perfect(rate=rate)))
+    assert checks["rate"].passed is passed
+    # A 170-byte probe takes 136 us to serialise at 10 Mbit/s: that is its expected delay.
+    assert checks["delay mean"].configured == pytest.approx(170 * 8 / 10e6)
+
+
+def test_rate_is_only_checked_when_measured():
+    assert "rate" not in by_name(compare(LinkProfile.parse(rate="10mbit"), perfect()))
+
+
+def test_reorder_expects_the_fraction_netem_sends_ahead():
+    profile = LinkProfile.parse(delay="10ms", reorder="25%")
+    # interval 1 ms: 10 probes within one delay; an early probe overtakes unless all 10 before
+    # it went early too (0.25**10, negligible).
+    result = perfect(overtake_ratio=0.25)
+    checks = by_name(compare(profile, result))
+    assert checks["reorder (overtaking)"].configured == pytest.approx(0.25 * (1 - 0.25**10))
+    assert checks["reorder (overtaking)"].passed is True
+    assert checks["delay mean"].configured == pytest.approx(0.0075)
+    assert checks["jitter (stdev)"].configured == pytest.approx(0.01 * math.sqrt(0.25 * 0.75))
+
+
+def test_no_reorder_is_expected_without_jitter_and_none_is_predicted_with_it():
+    checks = by_name(compare(LinkProfile(), perfect(overtake_ratio=0.01)))
+    assert checks["reorder (overtaking)"].passed is False
+    jittery = LinkProfile.parse(delay="20ms", jitter="5ms")
+    assert by_name(compare(jittery, perfect()))["reorder (overtaking)"].passed is None
+
+
+def test_binomial_tolerances_scale_with_the_number_of_probes():
+    profile = LinkProfile.parse(duplicate="5%")
+    small = by_name(compare(profile, perfect(1000, duplicate_ratio=0.05)))["duplicate"]
+    large = by_name(compare(profile, perfect(100_000, duplicate_ratio=0.05)))["duplicate"]
+    assert small.tolerance == pytest.approx(4 * math.sqrt(0.05 * 0.95 / 1000))
+    assert large.tolerance == pytest.approx(small.tolerance / 10)
+
+
+def test_corruption_expected_only_where_the_flip_reaches_the_payload():
+    profile = LinkProfile.parse(corrupt="10%")
+    result = perfect(size=1024, corrupt_ratio=0.096)
+    checks = by_name(compare(profile, result))
+    frame = 1024 + 42
+    assert checks["corrupt"].configured == pytest.approx(
+        0.1 * 1024 / frame / (1 - 0.1 * 42 / frame)
+    )
+    # Flips in the 42 bytes of Ethernet/IP/UDP headers and the 32-byte probe header lose it.
+    assert checks["loss"].configured == pytest.approx(0.1 * 74 / frame)
+
+
+def test_correlated_generators_are_reported_not_checked():
+    profile = LinkProfile.parse(
+        loss="10%", loss_correlation="25%", duplicate="1%", duplicate_correlation="10%"
+    )
+    checks = by_name(compare(profile, perfect()))
+    for name in ("loss", "loss burst mean", "duplicate"):
+        assert checks[name].passed is None
+        assert "correlated" in checks[name].note
+
+
+def test_receiver_drops_fail_the_comparison():
+    checks = by_name(compare(LinkProfile(), perfect(receiver_drops=3)))
+    assert checks["receiver drops"].passed is False
+
+
+def test_a_corrupting_link_may_make_the_socket_drop_a_few_datagrams():
+    # A flip in the UDP checksum field (16 of the frame's 1066 * 8 bits) turns the zero sum
+    # into a wrong one: the kernel drops the datagram at the socket and counts it there.
+    profile = LinkProfile.parse(corrupt="5%")
+    check = by_name(compare(profile, perfect(5000, size=1024, receiver_drops=1)))["receiver drops"]
+    assert check.configured == pytest.approx(0.05 * 5000 * 16 / (8 * 1066))
+    assert check.passed is True
+    overflow = by_name(compare(profile, perfect(5000, size=1024, receiver_drops=40)))
+    assert overflow["receiver drops"].passed is False
+
+
+def test_expected_burst_lengths():
+    assert expected_burst_mean(LinkProfile.parse(loss="30%")) == pytest.approx(1 / 0.7)
+    simple = LinkProfile.parse(gilbert_elliott={"p": "2%", "r": "25%"})
+    assert expected_burst_mean(simple) == pytest.approx(4.0)
+    # Losing only half the packets in the bad state breaks its bursts up.
+    leaky = LinkProfile.parse(gilbert_elliott={"p": "2%", "r": "25%", "1-h": "50%"})
+    assert expected_burst_mean(leaky) < 2
+
+
+def test_burst_check_needs_enough_bursts():
+    profile = LinkProfile.parse(gilbert_elliott={"p": "1%", "r": "25%"})
+    few = by_name(compare(profile, perfect(loss_bursts={4: 5}, loss_burst_mean=4.0)))
+    assert few["loss burst mean"].passed is None
+    many = by_name(compare(profile, perfect(loss_bursts={4: 100}, loss_burst_mean=4.0)))
+    assert many["loss burst mean"].passed is True
+
+
+def test_check_values_are_shown_in_their_units():
+    def show(unit: str, value: float) -> str:
+        return Check("q", unit, 0, 0, 0, True).show(value)
+
+    assert show("ratio", 0.1234) == "12.34%"
+    assert show("seconds", 0.02) == "20.000 ms"
+    assert show("bits/s", 1e8) == "100.00 Mbit/s"
+    assert show("count", 3) == "3"
+    assert show("count", 0.47) == "0.5"
+    assert show("packets", 1.5) == "1.50"
+    assert show("ratio", math.nan) == "-"
+
+
+def test_bursty_loss_widens_the_loss_tolerance_by_its_extra_variance():
+    bursty = LinkProfile.parse(gilbert_elliott={"p": "2%", "r": "25%"})
+    check = by_name(compare(bursty, perfect(30_000, loss_ratio=0.074)))["loss"]
+    # rho = 0.73: consecutive losses are dependent; the extra variance per probe is
+    # 2 pi_good pi_bad rho / (1 - rho).
+    bad = 0.02 / 0.27
+    extra = 2 * bad * (1 - bad) * 0.73 / 0.27
+    assert check.tolerance == pytest.approx(math.sqrt(0.015**2 + 16 * extra / 30_000))
+    independent = by_name(compare(LinkProfile.parse(loss="7%"), perfect(30_000)))["loss"]
+    assert independent.tolerance == pytest.approx(0.015)
+
+
+def test_a_probe_train_that_loads_the_rate_is_not_judged_on_loss_or_delay():
+    # 170-byte frames every 100 us are 13.6 Mbit/s: more than a 10 Mbit/s link carries.
+    result = perfect(interval=0.0001, loss_ratio=0.2, delay_mean=0.05, rate=10e6)
+    checks = by_name(compare(LinkProfile.parse(rate="10mbit"), result))
+    for name in ("loss", "delay mean", "jitter (stdev)"):
+        assert checks[name].passed is None
+        assert "13.6 Mbit/s" in checks[name].note
+    assert checks["rate"].passed is True
+
+
+def test_delay_under_a_rate_with_jitter_is_not_predicted():
+    profile = LinkProfile.parse(delay="40ms", jitter="8ms", rate="100mbit")
+    checks = by_name(compare(profile, perfect(delay_mean=0.045)))
+    assert checks["delay mean"].passed is None
+    assert "in order" in checks["delay mean"].note
+
+
+def test_bad_addresses_and_namespaces_are_clear_errors():
+    with pytest.raises(ProbeError, match="IPv4 only"):
+        probe(None, None, "::1")
+    with pytest.raises(ProbeError, match="expected an IPv4 address"):
+        probe(None, None, "receiver")
+    with pytest.raises(ProbeError, match="'tb-no-such-ns'"):
+        probe("tb-no-such-ns", "tb-no-such-ns", "198.18.0.2")
+    with pytest.raises(ProbeError, match="count"):
+        probe(None, None, "127.0.0.1", count=0)
