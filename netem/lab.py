@@ -3,6 +3,10 @@
 The bridge lives in a namespace of its own (the "switch"), so a lab touches nothing in the
 root namespace and removing its namespaces removes every veth with them. Every name starts with
 the lab's prefix, which is how `clean` finds what a killed run left behind.
+
+Every veth runs with segmentation and aggregation offloads off (netem.offload): a sender's
+super-packets would otherwise cross the bridge whole, and a shaped switch port would drop and
+meter 64 KB at a time instead of wire-sized frames.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pyroute2 import NetNS, netns
+
+from netem.offload import set_offloads
 
 NAME_PREFIX = "tb"
 DEFAULT_SUBNET = "198.18.0.0/24"  # RFC 2544 benchmarking range: never routed anywhere
@@ -96,6 +102,8 @@ class Lab:
             ns.link("set", index=iface, mtu=self.mtu, state="up")
             ns.addr("add", index=iface, address=host.address, prefixlen=network.prefixlen)
             ns.link("set", index=ns.link_lookup(ifname="lo")[0], state="up")
+        set_offloads(host.switch_port, netns=self.switch)
+        set_offloads(host.iface, netns=host.netns)
         return host
 
     def run(self, host: Host, argv: Sequence[str], **kwargs) -> subprocess.CompletedProcess[str]:

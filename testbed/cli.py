@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Annotated, TypeVar
+from typing import Annotated, Literal, TypeVar
 
 import typer
 
@@ -177,6 +177,167 @@ def probe(
         raise typer.Exit(1)
 
 
+def _set(name: str, what: str) -> typer.models.OptionInfo:
+    return typer.Option(f"--{name}", help=what, show_default=False)
+
+
+@app.command()
+def shape(
+    iface: Annotated[str, typer.Argument(help="The interface to shape.", show_default=False)],
+    netns: Annotated[
+        str | None, typer.Option(help="Its network namespace (a name, or a path such as "
+                                 "/proc/PID/ns/net). Default: this one.", show_default=False)
+    ] = None,
+    direction: Annotated[
+        Literal["egress", "ingress"],
+        typer.Option(help="egress: traffic leaving IFACE (e.g. the switch port towards the "
+                     "receiver); ingress: traffic arriving on IFACE (through an ifb)."),
+    ] = "egress",
+    source: Annotated[
+        str | None,
+        typer.Option("--from", help="Shape only the traffic from this IPv4 address or network "
+                     "(a pairwise link); the rules of other sources stay. Default: the rule "
+                     "for everyone else.", show_default=False),
+    ] = None,
+    backend: Annotated[
+        Literal["auto", "netem", "fallback"],
+        typer.Option(help="netem; fallback (nftables loss, htb rate) for kernels without it; "
+                     "auto: netem if this kernel has it."),
+    ] = "auto",
+    delay: Annotated[str | None, _set("delay", "Delay, e.g. 20ms.")] = None,
+    jitter: Annotated[str | None, _set("jitter", "Delay variation, e.g. 5ms.")] = None,
+    distribution: Annotated[
+        str | None, _set("distribution", "Of the jitter: uniform, normal, pareto, paretonormal.")
+    ] = None,
+    delay_correlation: Annotated[
+        str | None, _set("delay-correlation", "Of successive delays, e.g. 25%.")
+    ] = None,
+    loss: Annotated[str | None, _set("loss", "Random loss, e.g. 5%.")] = None,
+    loss_correlation: Annotated[
+        str | None, _set("loss-correlation", "Of successive losses, e.g. 25%.")
+    ] = None,
+    ge_p: Annotated[str | None, _set("ge-p", "Gilbert-Elliott bursty loss: good->bad.")] = None,
+    ge_r: Annotated[str | None, _set("ge-r", "Gilbert-Elliott: bad->good.")] = None,
+    ge_1_h: Annotated[str | None, _set("ge-1-h", "Gilbert-Elliott: loss when bad.")] = None,
+    ge_1_k: Annotated[str | None, _set("ge-1-k", "Gilbert-Elliott: loss when good.")] = None,
+    duplicate: Annotated[str | None, _set("duplicate", "Duplication, e.g. 1%.")] = None,
+    corrupt: Annotated[str | None, _set("corrupt", "Corruption (a flipped bit), e.g. 1%.")] = None,
+    reorder: Annotated[str | None, _set("reorder", "Packets sent early (needs a delay).")] = None,
+    gap: Annotated[int | None, _set("gap", "Reorder every GAP-th packet.")] = None,
+    rate: Annotated[str | None, _set("rate", "Rate, e.g. 100mbit.")] = None,
+    limit: Annotated[int | None, _set("limit", "Queue length in packets (1000).")] = None,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Print the equivalent tc/nft commands; needs no "
+                           "root, touches nothing (the other sources' rules are not read).")
+    ] = False,
+    show_rules: Annotated[bool, typer.Option("--show", help="Print IFACE's rules.")] = False,
+    clear_rules: Annotated[
+        bool, typer.Option("--clear", help="Remove all shaping from IFACE.")
+    ] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """Shape an interface with a link profile, per source (like tcconfig's tcset); --show reads
+    it back from the kernel (tcshow), --clear removes it (tcdel). docs/shaping.md."""
+    import json
+    import os
+
+    from pyroute2.netlink.exceptions import NetlinkError
+
+    from netem.backend import ShapingError, change, clear, resolve_backend, show
+    from netem.plan import build_plan, parse_source, render_commands, source_key
+    from netem.profile import LinkProfile, ProfileError
+
+    def fail(message: object, code: int) -> typer.Exit:
+        typer.echo(f"testbed shape: {message}", err=True)
+        return typer.Exit(code)
+
+    fields = {
+        "delay": delay, "jitter": jitter, "distribution": distribution,
+        "delay_correlation": delay_correlation, "loss": loss, "loss_correlation": loss_correlation,
+        "duplicate": duplicate, "corrupt": corrupt, "reorder": reorder, "gap": gap, "rate": rate,
+        "limit": limit,
+    }
+    spec: dict[str, object] = {name: value for name, value in fields.items() if value is not None}
+    ge = {"p": ge_p, "r": ge_r, "1-h": ge_1_h, "1-k": ge_1_k}
+    if any(value is not None for value in ge.values()):
+        spec["gilbert_elliott"] = {name: value for name, value in ge.items() if value is not None}
+    if dry_run + show_rules + clear_rules > 1:
+        raise fail("--dry-run, --show and --clear exclude one another", 2)
+    if (show_rules or clear_rules) and (spec or source is not None):
+        raise fail("--show and --clear take no profile and no --from", 2)
+    try:
+        profile = LinkProfile.parse(spec)
+        key = None if source is None else source_key(parse_source(source))
+        if dry_run:
+            unprobed = backend == "auto" and os.geteuid() != 0
+            if unprobed:
+                typer.echo("testbed shape: not root, so the kernel was not probed: showing the "
+                           "netem backend (--backend fallback shows the other)", err=True)
+            chosen = "netem" if unprobed else resolve_backend(backend)
+            plan = build_plan(iface, {key: profile}, direction=direction, backend=chosen)
+    except (ProfileError, ValueError) as exc:  # UnsupportedByKernel is a ProfileError
+        raise fail(exc, 2) from None
+    if dry_run:
+        commands = render_commands(plan, netns)
+        if as_json:
+            typer.echo(json.dumps({"backend": plan.backend, "commands": commands}, indent=2))
+        else:
+            typer.echo("\n".join(commands))
+        return
+    if os.geteuid() != 0:
+        raise fail("shaping needs root (CAP_NET_ADMIN); --dry-run prints the commands without", 1)
+    try:
+        if clear_rules:
+            clear(iface, netns=netns)
+            typer.echo(json.dumps({"iface": iface, "cleared": True}) if as_json
+                       else f"{iface}: shaping removed")
+            return
+        if show_rules:
+            _print_rules(iface, netns, show(iface, netns=netns), as_json=as_json)
+            return
+        rules = {**show(iface, netns=netns), key: profile}
+        applied = change(iface, rules, netns=netns, direction=direction, backend=backend)
+    except ProfileError as exc:
+        raise fail(exc, 2) from None
+    except (ShapingError, NetlinkError, OSError, ValueError) as exc:
+        raise fail(exc, 1) from None
+    _print_rules(iface, netns, applied.rules, as_json=as_json, applied={
+        "backend": applied.backend, "direction": applied.direction, "device": applied.device,
+        "in_place": applied.in_place, "offloads_disabled": applied.offloads_disabled,
+    })
+
+
+def _print_rules(
+    iface: str, netns: str | None, rules: dict, *, as_json: bool, applied: dict | None = None
+) -> None:
+    """The rules of an interface as a table (or JSON), and how they were applied."""
+    import json
+
+    from rich.console import Console
+    from rich.table import Table
+
+    listing = [{"from": source, "profile": profile.to_spec()} for source, profile in rules.items()]
+    if as_json:
+        typer.echo(json.dumps({"iface": iface, "netns": netns, **(applied or {}),
+                               "rules": listing}, indent=2))
+        return
+    console = Console()
+    if not rules:
+        console.print(f"{iface}: not shaped")
+        return
+    table = Table(title=f"{iface}" + (f" in {netns}" if netns else ""))
+    for column in ("from", "profile"):
+        table.add_column(column)
+    for source, profile in rules.items():
+        table.add_row(source or "everyone else", str(profile))
+    console.print(table)
+    if applied is not None:
+        how = "changed in place" if applied["in_place"] else "built"
+        offloads = ", ".join(applied["offloads_disabled"]) or "none"
+        console.print(f"{applied['backend']} backend, {applied['direction']} (tree on "
+                      f"{applied['device']}), {how}; offloads off on {iface}: {offloads}")
+
+
 sandbox_app = typer.Typer(
     help="A User-Mode Linux guest whose kernel has netem, for hosts whose kernel has none.",
     no_args_is_help=True,
@@ -259,3 +420,39 @@ def _sandbox_call(call: Callable[[], _T]) -> _T:
         raise typer.Exit(1) from None
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+@app.command()
+def demo() -> None:
+    """The main job end to end: shape the links into one host of a 3-host lab per source, measure
+    each with probe trains, on this kernel and then with full netem (in a UML guest if needed).
+    Exit code 1 if a measured value misses its tolerance."""
+    import time
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from testbed import demo as demonstration
+
+    console = Console()
+    started = time.monotonic()
+
+    def say(line: str) -> None:
+        console.log(line)
+        status.update(f"[bold]{line}")
+
+    with console.status("starting") as status:
+        outcomes = _sandbox_call(lambda: demonstration.run(say))
+    elapsed = time.monotonic() - started
+    table = Table(title=f"testbed demo: configured vs measured ({elapsed:.0f} s)")
+    for column in ("kernel", "link", "quantity", "configured", "measured", "tolerance", "result"):
+        table.add_column(column)
+    styles = {"pass": "[green]pass[/green]", "FAIL": "[red]FAIL[/red]"}
+    for *cells, verdict in demonstration.summary_rows(outcomes):
+        table.add_row(*cells, styles[verdict])
+    console.print(table)
+    failed = [f"{o.part}: {o.link}" for o in outcomes if not o.passed]
+    if failed:
+        console.print(f"[red]{len(failed)} link(s) missed a tolerance: {'; '.join(failed)}")
+        raise typer.Exit(1)
+    console.print(f"[green]all {len(outcomes)} links measured within tolerance")

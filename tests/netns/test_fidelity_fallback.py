@@ -1,10 +1,10 @@
-"""Fidelity of the fallback (no sch_netem: nftables random loss, token-bucket rate) on the host
-kernel, measured with probe trains between namespaces; and the probes' own wire format."""
+"""Fidelity of the fallback (no sch_netem: nftables random loss, htb rate; `netem.apply` with
+backend 'fallback' on the switch port) on the host kernel, measured with probe trains between
+namespaces; and the probes' own wire format."""
 
 from __future__ import annotations
 
 import socket
-import subprocess
 
 import numpy as np
 import pytest
@@ -12,7 +12,7 @@ from scapy.layers.inet import IP, UDP
 from scapy.layers.l2 import Ether
 from typer.testing import CliRunner
 
-from netem.lab import Lab
+from netem import apply
 from netem.probe import (
     DEFAULT_SIZE,
     FRAME_OVERHEAD,
@@ -33,38 +33,6 @@ pytestmark = pytest.mark.netns
 FAST = 0.0001  # the host keeps up with 10 000 probes/s
 
 
-def shape_fallback(lab: Lab, host: int, profile: LinkProfile) -> None:
-    """Random loss with nftables and rate with tbf, on the switch port towards `host`."""
-    port = lab.hosts[host].switch_port
-
-    def run(*argv: str) -> None:
-        subprocess.run(["ip", "netns", "exec", lab.switch, *argv], check=True)
-
-    if profile.rate:
-        run(
-            "tc",
-            "qdisc",
-            "add",
-            "dev",
-            port,
-            "root",
-            "tbf",
-            "rate",
-            f"{profile.rate}bit",
-            "burst",
-            "32kb",
-            "latency",
-            "100ms",
-        )
-    if profile.loss:
-        run(
-            "nft",
-            f"add table bridge tbloss; add chain bridge tbloss out {{ type filter hook "
-            f"forward priority 0; }}; add rule bridge tbloss out oifname {port} numgen random "
-            f"mod 1000000 < {round(profile.loss * 1_000_000)} drop",
-        )
-
-
 def checks_of(profile: LinkProfile, result) -> dict:
     return {check.quantity: check for check in compare(profile, result)}
 
@@ -82,7 +50,7 @@ def assert_no_failures(checks: dict) -> None:
 def test_random_loss(make_lab, loss):
     lab = make_lab(2)
     profile = LinkProfile.parse(loss=loss)
-    shape_fallback(lab, 1, profile)
+    apply(lab.hosts[1].switch_port, profile, netns=lab.switch, backend="fallback")
     a, b = lab.hosts
     result = probe(a.netns, b.netns, b.address, count=20_000, interval=FAST)
     checks = checks_of(profile, result)
@@ -94,7 +62,7 @@ def test_random_loss(make_lab, loss):
 def test_rate(make_lab):
     lab = make_lab(2)
     profile = LinkProfile.parse(rate="10mbit")
-    shape_fallback(lab, 1, profile)
+    apply(lab.hosts[1].switch_port, profile, netns=lab.switch, backend="fallback")
     a, b = lab.hosts
     # The timed train at its default pace (3.4 Mbit/s) leaves the link mostly idle.
     result = probe(
@@ -142,7 +110,8 @@ def test_probe_frames_on_the_wire(make_lab):
 
 def test_the_probe_command_checks_a_link(make_lab):
     lab = make_lab(2)
-    shape_fallback(lab, 1, LinkProfile.parse(loss="10%"))
+    apply(lab.hosts[1].switch_port, LinkProfile.parse(loss="10%"), netns=lab.switch,
+          backend="fallback")
     a, b = lab.hosts
     base = [
         "probe",

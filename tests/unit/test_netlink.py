@@ -1,0 +1,316 @@
+"""netem's netlink encoding without a kernel: tc arguments, the attributes of the request, and
+the decoding back into a profile (a request and a dump share one layout)."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from pyroute2.netlink import NLA_F_NESTED
+from pyroute2.netlink.rtnl import TC_H_ROOT
+from pyroute2.netlink.rtnl.tcmsg import tcmsg
+
+from netem import netlink
+from netem.netlink import (
+    U32_MAX,
+    UNIFORM_TABLE,
+    NetemOptions,
+    NetemQdiscMsg,
+    add_netem,
+    distribution_table,
+    forget_annotations,
+    format_handle,
+    netem_tc_args,
+    profile_from_options,
+    qdisc_request,
+    read_netem,
+    tc_handle,
+)
+from netem.profile import GilbertElliott, LinkProfile
+
+EXAMPLE = LinkProfile.parse(
+    delay="20ms",
+    jitter="5ms",
+    delay_correlation="25%",
+    distribution="normal",
+    loss="1%",
+    rate="10mbit",
+)
+GE = {"p": "1%", "r": "20%", "1-h": "70%", "1-k": "0.1%"}
+
+
+def options(profile: LinkProfile, command: str = "add") -> NetemOptions:
+    """Encode the request for the profile, then decode its bytes as a fresh message."""
+    msg = qdisc_request(3, "root", "1:", profile, command=command)
+    msg.encode()
+    decoded = NetemQdiscMsg(msg.data)
+    decoded.decode()
+    assert decoded.get_attr("TCA_KIND") == "netem"
+    return decoded.nla("TCA_OPTIONS")
+
+
+@pytest.mark.parametrize(
+    ("profile", "args"),
+    [
+        (LinkProfile(), "limit 1000"),
+        (EXAMPLE, "limit 1000 delay 20ms 5ms 25% distribution normal loss random 1% rate 10mbit"),
+        (
+            LinkProfile.parse(gilbert_elliott=GE, limit=50),
+            "limit 50 loss gemodel 1% 20% 70% 0.1%",
+        ),
+        (
+            LinkProfile.parse(delay="10ms", reorder="25%", reorder_correlation="50%", gap=5),
+            "limit 1000 delay 10ms reorder 25% 50% gap 5",
+        ),
+        (
+            # tc sends no correlations for a lone duplicate correlation: an explicit 0% loss
+            # correlation makes it send them.
+            LinkProfile.parse(corrupt="0.5%", duplicate="2%", duplicate_correlation="10%"),
+            "limit 1000 loss random 0% 0% corrupt 0.5% duplicate 2% 10%",
+        ),
+        (
+            LinkProfile.parse(delay="1.5s", jitter="333ns", distribution="pareto", rate="1gbit"),
+            "limit 1000 delay 1500ms 333ns distribution pareto rate 1gbit",
+        ),
+        (
+            LinkProfile.parse(delay="20.000001ms", rate="123456bit"),
+            "limit 1000 delay 20000001ns rate 123456bit",
+        ),
+    ],
+)
+def test_netem_tc_args(profile, args):
+    assert netem_tc_args(profile) == args.split()
+
+
+def test_probabilities_are_u32_rounded_like_tc():
+    profile = LinkProfile.parse(
+        loss="1%", loss_correlation="100%", duplicate="0.000000001", corrupt="50%"
+    )
+    opts = options(profile)
+    assert opts["loss"] == 42949673  # rint(0.01 * (2**32 - 1)), pyroute2 would truncate
+    assert opts.get_attr("TCA_NETEM_CORR")["loss_corr"] == U32_MAX
+    assert opts["duplicate"] == 4
+    assert opts.get_attr("TCA_NETEM_CORRUPT")["probability"] == 2147483648
+
+
+def test_gilbert_elliott_is_sent_as_the_kernels_p_r_h_k1():
+    opts = options(LinkProfile.parse(gilbert_elliott=GE))
+    ge = opts.get_attr("TCA_NETEM_LOSS").get_attr("NETEM_LOSS_GE")
+    assert dict(ge) == {
+        "p": round(0.01 * U32_MAX),
+        "r": round(0.2 * U32_MAX),
+        "h": U32_MAX - round(0.7 * U32_MAX),  # h: the chance to pass in the bad state
+        "k1": round(0.001 * U32_MAX),
+    }
+    assert opts["loss"] == 0
+    loss = opts.nla("TCA_NETEM_LOSS")
+    assert struct.unpack_from("HH", loss.data, loss.offset)[1] == 5 | NLA_F_NESTED  # as tc
+
+
+def test_times_go_as_exact_nanoseconds():
+    opts = options(LinkProfile.parse(delay="1.000000001s", jitter="333ns"))
+    assert opts.get_attr("TCA_NETEM_LATENCY64") == 1_000_000_001
+    assert opts.get_attr("TCA_NETEM_JITTER64") == 333
+    assert (opts["latency"], opts["jitter"]) == (0, 0)  # the old 64 ns ticks, unused (as tc)
+
+
+def test_jitter_beyond_what_netem_takes_is_refused():
+    with pytest.raises(ValueError, match=r"jitter: netem takes at most 2\.147483647s"):
+        qdisc_request(3, "root", "1:", LinkProfile.parse(delay="5s", jitter="3s"))
+
+
+@pytest.mark.parametrize(
+    ("rate", "rate32", "rate64"),
+    [("10mbit", 1_250_000, None), ("50gbit", U32_MAX, 6_250_000_000), (None, 0, None)],
+)
+def test_rate_is_netems_own_attribute_in_bytes(rate, rate32, rate64):
+    opts = options(LinkProfile.parse(rate=rate))
+    assert dict(opts.get_attr("TCA_NETEM_RATE")) == {
+        "rate": rate32,
+        "packet_overhead": 0,
+        "cell_size": 0,
+        "cell_overhead": 0,
+    }
+    assert opts.get_attr("TCA_NETEM_RATE64") == rate64
+
+
+def test_no_generic_tca_rate_is_sent():
+    """pyroute2's own encoder adds TCA_RATE (type 5) to the message, which netem rejects."""
+    msg = qdisc_request(3, "root", "1:", EXAMPLE)
+    msg.encode()
+    offset, types = 36, []  # after nlmsghdr (16) and struct tcmsg (20)
+    while offset < len(msg.data):
+        length, kind = struct.unpack_from("HH", msg.data, offset)
+        types.append(kind)
+        offset += (length + 3) & ~3
+    assert types == [1, 2]  # TCA_KIND, TCA_OPTIONS
+
+
+def test_every_attribute_goes_even_when_zero():
+    """netem keeps whatever a change leaves out: a perfect profile must reset everything."""
+    opts = options(LinkProfile())
+    names = [slot.name for slot in opts["attrs"]]
+    assert names == [
+        "TCA_NETEM_LATENCY64",
+        "TCA_NETEM_JITTER64",
+        "TCA_NETEM_CORR",
+        "TCA_NETEM_REORDER",
+        "TCA_NETEM_CORRUPT",
+        "TCA_NETEM_RATE",
+    ]
+
+
+def test_reorder_without_gap_sends_tcs_gap_of_one():
+    assert options(LinkProfile.parse(delay="10ms", reorder="25%"))["gap"] == 1
+    assert options(LinkProfile.parse(delay="10ms", reorder="25%", gap=7))["gap"] == 7
+    assert options(LinkProfile.parse(delay="10ms"))["gap"] == 0
+
+
+def test_distribution_table_is_iproutes():
+    table = options(EXAMPLE).get_attr("TCA_NETEM_DELAY_DIST")
+    assert table == distribution_table("normal")
+    assert len(table) == 4096 and table[0] == -32768  # the first value of normal.dist
+
+
+@pytest.mark.parametrize(
+    ("profile", "command", "table"),
+    [
+        (LinkProfile.parse(delay="10ms", jitter="1ms"), "add", None),
+        (LinkProfile.parse(delay="10ms", jitter="1ms"), "change", UNIFORM_TABLE),
+        (LinkProfile.parse(delay="10ms", jitter="1ms"), "replace", UNIFORM_TABLE),
+        (LinkProfile.parse(delay="10ms"), "change", None),
+    ],
+)
+def test_uniform_table_replaces_an_old_table_on_change(profile, command, table):
+    assert options(profile, command).get_attr("TCA_NETEM_DELAY_DIST") == table
+
+
+def test_uniform_table_is_uniform_over_one_sigma():
+    assert len(UNIFORM_TABLE) == 8192
+    assert sum(UNIFORM_TABLE) == 0
+    assert (min(UNIFORM_TABLE), max(UNIFORM_TABLE)) == (-8191, 8191)
+
+
+def test_unknown_table_says_where_it_looked(monkeypatch, tmp_path):
+    monkeypatch.setenv("TC_LIB_DIR", str(tmp_path))
+    with pytest.raises(FileNotFoundError, match=f"experimental2.dist.*{tmp_path}.*TC_LIB_DIR"):
+        distribution_table("experimental2")
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [("root", TC_H_ROOT), ("1:", 0x10000), ("1:0", 0x10000), ("1:a", 0x1000A), (0x20003, 0x20003)],
+)
+def test_handles(text, value):
+    assert tc_handle(text) == value
+
+
+@pytest.mark.parametrize("text", ["1", "x:", "1:g", ""])
+def test_bad_handles(text):
+    with pytest.raises(ValueError, match="expected a handle"):
+        tc_handle(text)
+
+
+def test_format_handle():
+    assert [format_handle(h) for h in (0x10000, 0x1000A, TC_H_ROOT)] == ["1:", "1:a", "root"]
+
+
+def test_bad_command():
+    with pytest.raises(ValueError, match="command: expected one of add, change, replace"):
+        qdisc_request(3, "root", "1:", EXAMPLE, command="delete")
+
+
+fractions = st.integers(0, 10**9).map(lambda n: n / 10**9)
+
+
+@st.composite
+def profiles(draw) -> LinkProfile:
+    delay = draw(st.integers(0, 10**10)) / 10**9
+    jitter = draw(st.integers(0, 2**31 - 1)) / 10**9 if delay else 0.0
+    bursty = draw(st.booleans())
+    reorder = draw(fractions) if delay else 0.0
+    shapes = st.sampled_from(["normal", "pareto", "uniform"])
+    ge = GilbertElliott(
+        p=draw(fractions), r=draw(fractions), loss_bad=draw(fractions), loss_good=draw(fractions)
+    )
+    return LinkProfile(
+        delay=delay,
+        jitter=jitter,
+        delay_correlation=draw(fractions),
+        distribution=draw(shapes) if jitter else "uniform",
+        loss=0.0 if bursty else draw(fractions),
+        loss_correlation=draw(fractions),
+        gilbert_elliott=ge if bursty else None,
+        duplicate=draw(fractions),
+        duplicate_correlation=draw(fractions),
+        corrupt=draw(fractions),
+        corrupt_correlation=draw(fractions),
+        reorder=reorder,
+        reorder_correlation=draw(fractions) if reorder else 0.0,
+        gap=draw(st.just(0) | st.integers(2, 2**32 - 1)) if reorder else 0,
+        rate=draw(st.none() | st.integers(1, 10**12).map(lambda n: n * 8)),
+        limit=draw(st.integers(1, 2**32 - 1)),
+    )
+
+
+@given(profiles(), st.sampled_from(["add", "change"]))
+def test_request_decodes_to_the_profile(profile, command):
+    assert profile_from_options(options(profile, command), profile.distribution) == profile
+
+
+def test_unsupported_settings_are_named():
+    opts = NetemOptions()
+    opts["limit"] = 1000
+    opts["attrs"] = [["TCA_NETEM_ECN", 1], ["TCA_NETEM_SLOT", "00" * 40]]
+    opts.encode()
+    decoded = NetemOptions(opts.data)
+    decoded.decode()
+    with pytest.raises(ValueError, match="netem uses ecn, slot, which LinkProfile cannot"):
+        profile_from_options(decoded)
+
+
+class FakeRoute:
+    """Stands in for IPRoute: keeps what was sent, dumps it back parsed as pyroute2 does."""
+
+    def __init__(self) -> None:
+        self.sent: list[NetemQdiscMsg] = []
+
+    def nlm_request_batch(self, msgs):
+        self.sent.extend(msgs)
+        return iter(())
+
+    def get_qdiscs(self, index=None):
+        for msg in self.sent:
+            msg.encode()
+            dumped = tcmsg(msg.data)
+            dumped.decode()
+            if dumped["index"] == index:
+                yield dumped
+
+
+def test_annotations_give_the_distribution_back(monkeypatch, tmp_path):
+    monkeypatch.setattr(netlink, "ANNOTATIONS", tmp_path)
+    ipr = FakeRoute()
+    add_netem(ipr, 7, "1:1", "10:", EXAMPLE, annotate="ns-a/eth0")
+    assert ipr.sent[0]["header"]["flags"] & 0x600 == 0x600  # NLM_F_CREATE | NLM_F_EXCL
+    assert (ipr.sent[0]["parent"], ipr.sent[0]["handle"]) == (0x10001, 0x100000)
+    assert json.loads((tmp_path / "ns-a%2Feth0.json").read_text()) == {"10:": "normal"}
+    assert read_netem(ipr, 7, "10:", annotate="ns-a/eth0") == EXAMPLE
+    assert read_netem(ipr, 7, "10:").distribution == "uniform"  # the kernel keeps no name
+    forget_annotations("ns-a/eth0")
+    assert list(tmp_path.iterdir()) == []
+    assert read_netem(ipr, 7, "10:", annotate="ns-a/eth0").distribution == "uniform"
+    forget_annotations("ns-a/eth0")  # nothing left: no error
+
+
+def test_reading_a_missing_qdisc():
+    with pytest.raises(LookupError, match="no qdisc 5: on interface 7"):
+        read_netem(FakeRoute(), 7, "5:")
+
+
+def test_annotate_needs_a_handle():
+    with pytest.raises(ValueError, match="explicit handle"):
+        add_netem(FakeRoute(), 7, "root", 0, EXAMPLE, annotate="ns/eth0")
