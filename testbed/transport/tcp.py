@@ -1,0 +1,465 @@
+"""TCP streams for the reliable paths (ring all-reduce, Moshpit groups, control): framed
+messages (a FRAME_SIZE header, then `length` payload bytes), connected point to point or as a
+mesh, with a deadline on every operation and errors that say who, whom and what.
+
+Every socket has TCP_NODELAY (a collective's messages are latency-bound) and can choose its
+congestion control (TCP_CONGESTION): cubic and bbr react to loss an order of magnitude apart,
+so a scenario names one and the run records it (`Stream.congestion`). Retransmits of the
+process's own connections come from TCP_INFO (`Stream.tcp_info().total_retrans`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import socket
+import struct
+import time
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple, NoReturn
+
+import numpy as np
+import torch
+
+from testbed.transport.counters import UNKNOWN_PEER, StreamCounters, TcpInfo, tcp_info
+from testbed.transport.errors import PeerClosed, ProtocolError, TransportError, TransportTimeout
+from testbed.transport.tensors import as_bytes, dtype_of
+from testbed.transport.wire import (
+    FRAME_SIZE,
+    ITEMSIZE,
+    MAGIC,
+    VERSION,
+    Codec,
+    FrameHeader,
+    Kind,
+    MalformedDatagram,
+    decode_frame,
+    encode_frame,
+)
+
+CONNECT_RETRY = 0.05  # seconds between attempts while a peer's listener is not up yet
+HELLO_TIMEOUT = 5.0  # a caller says hello at once; a silent one must not hold up the others
+MAX_MESSAGE = 1 << 32  # a length beyond this is a broken or foreign stream, not a tensor
+_HELLO = struct.Struct("!H")  # HELLO payload: the rank the caller meant to reach
+_SYSCTL = Path("/proc/sys/net/ipv4")
+
+Buffer = bytes | bytearray | memoryview
+
+
+@dataclass
+class Message:
+    """A received message: its header and its payload bytes."""
+
+    header: FrameHeader
+    payload: bytearray
+
+
+class Stream:
+    """One TCP connection between this worker (`rank`) and `peer`. Not thread-safe; one
+    thread may send while another receives."""
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        address: tuple[str, int],
+        *,
+        rank: int,
+        peer: int,
+        run_id: int,
+    ) -> None:
+        self.sock, self.address = sock, address
+        self.rank, self.peer, self.run_id = rank, peer, run_id
+        self._counters = StreamCounters()
+
+    @classmethod
+    def connect(
+        cls,
+        address: tuple[str, int],
+        *,
+        rank: int,
+        peer: int,
+        run_id: int,
+        timeout: float,
+        congestion: str | None = None,
+    ) -> Stream:
+        """Connect to `peer`'s listener (retrying while it refuses: it may not be up yet) and
+        say hello."""
+        deadline = time.monotonic() + timeout
+        where = f"rank {rank}: connecting to rank {peer} at {address[0]}:{address[1]}"
+        while True:
+            sock = _tcp_socket(address, congestion)
+            try:
+                sock.settimeout(max(deadline - time.monotonic(), 1e-3))
+                sock.connect(address)
+                break
+            except ConnectionRefusedError:
+                sock.close()
+                if time.monotonic() + CONNECT_RETRY > deadline:
+                    raise TransportTimeout(
+                        f"{where}: refused for {timeout:g} s; is its listener up?"
+                    ) from None
+                time.sleep(CONNECT_RETRY)
+            except TimeoutError:
+                sock.close()
+                raise TransportTimeout(f"{where}: no answer within {timeout:g} s") from None
+            except OSError as exc:
+                sock.close()
+                raise TransportError(f"{where}: {exc.strerror}") from None
+        stream = cls(sock, address, rank=rank, peer=peer, run_id=run_id)
+        try:
+            stream.send_message(Kind.HELLO, 0, 0, _HELLO.pack(peer),
+                                timeout=max(deadline - time.monotonic(), 1e-3))
+        except BaseException:
+            stream.close()
+            raise
+        return stream
+
+    @property
+    def congestion(self) -> str:
+        """The congestion control this connection really uses."""
+        return _congestion(self.sock)
+
+    def send_message(
+        self,
+        kind: Kind,
+        step: int,
+        bucket: int,
+        payload: Buffer = b"",
+        *,
+        codec: Codec = Codec.BYTES,
+        timeout: float | None = None,
+    ) -> None:
+        header = FrameHeader(MAGIC, VERSION, kind, codec, self.rank, self.run_id, step, bucket,
+                             len(payload))
+        self._send([memoryview(encode_frame(header)), memoryview(payload)], _Limit.of(timeout),
+                   f"{Kind(kind).name} step {step} bucket {bucket}")
+        self._counters.messages_sent += 1
+        self._counters.bytes_sent += FRAME_SIZE + len(payload)
+
+    def send_tensor(
+        self,
+        tensor: torch.Tensor | np.ndarray,
+        *,
+        kind: Kind,
+        step: int,
+        bucket: int,
+        timeout: float | None = None,
+    ) -> None:
+        """Send a tensor's bytes (no copy for a contiguous CPU tensor)."""
+        codec, data = as_bytes(tensor)
+        self.send_message(kind, step, bucket, data, codec=codec, timeout=timeout)
+
+    def recv_message(self, *, timeout: float | None = None) -> Message:
+        limit = _Limit.of(timeout)
+        header = self._recv_header(limit)
+        payload = bytearray(header.length)
+        self._recv_into(memoryview(payload), limit, "a message's payload")
+        self._counted(header)
+        return Message(header, payload)
+
+    def recv_tensor(
+        self,
+        *,
+        kind: Kind,
+        step: int,
+        bucket: int,
+        timeout: float | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The next message, which must be (kind, step, bucket), as a flat tensor, received
+        straight into `out` if given (same dtype and size; a mismatch is a ProtocolError)."""
+        limit = _Limit.of(timeout)
+        header = self._recv_header(limit)
+        if (header.kind, header.step, header.bucket) != (kind, step, bucket):
+            self._fail(f"expected {Kind(kind).name} step {step} bucket {bucket}, got "
+                       f"{Kind(header.kind).name} step {header.step} bucket {header.bucket}")
+        dtype = dtype_of(header.codec)
+        numel = header.length // ITEMSIZE[header.codec]
+        if out is None:
+            out = torch.empty(numel, dtype=dtype)
+        elif out.dtype != dtype or out.numel() != numel or not out.is_contiguous():
+            self._fail(f"{numel} elements of {dtype} came for step {step} bucket {bucket}, "
+                       f"expected {out.numel()} of {out.dtype} (contiguous)")
+        self._recv_into(as_bytes(out)[1], limit, f"step {step} bucket {bucket}")
+        self._counted(header)
+        return out
+
+    def tcp_info(self) -> TcpInfo:
+        return tcp_info(self.sock)
+
+    def counters(self) -> StreamCounters:
+        """A snapshot; tcp_retransmits as of now (or of `close`)."""
+        if self.sock.fileno() >= 0:
+            self._counters.tcp_retransmits = self.tcp_info().total_retrans
+        return dataclasses.replace(self._counters)
+
+    def close(self) -> None:
+        if self.sock.fileno() >= 0:
+            self.counters()
+            self.sock.close()
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _where(self, action: str) -> str:
+        peer = "an unidentified peer" if self.peer == UNKNOWN_PEER else f"rank {self.peer}"
+        return f"rank {self.rank}: {action} {peer} at {self.address[0]}:{self.address[1]}"
+
+    def _fail(self, problem: str) -> NoReturn:
+        self.close()
+        raise ProtocolError(f"{self._where('stream from')}: {problem}; stream closed")
+
+    def _counted(self, header: FrameHeader) -> None:
+        self._counters.messages_received += 1
+        self._counters.bytes_received += FRAME_SIZE + header.length
+
+    def _recv_header(self, limit: _Limit) -> FrameHeader:
+        raw = bytearray(FRAME_SIZE)
+        self._recv_into(memoryview(raw), limit, "a message header")
+        try:
+            header = decode_frame(raw, self.run_id)
+        except MalformedDatagram as exc:
+            self._fail(f"not a message of this run ({exc})")
+        if header.length > MAX_MESSAGE:
+            self._fail(f"a message of {header.length} bytes is announced")
+        return header
+
+    def _send(self, buffers: list[memoryview], limit: _Limit, what: str) -> None:
+        total, sent = sum(map(len, buffers)), 0
+        try:
+            while buffers:
+                self.sock.settimeout(limit.remaining())
+                count = self.sock.sendmsg(buffers)
+                sent += count
+                buffers = _advance(buffers, count)
+        except TimeoutError:
+            raise TransportTimeout(
+                f"{self._where(f'sending {what} to')}: {limit} passed after {sent} of {total} "
+                "bytes"
+            ) from None
+        except OSError as exc:
+            raise self._broken(exc, f"sending {what} to", sent, total) from None
+
+    def _recv_into(self, view: memoryview, limit: _Limit, what: str) -> None:
+        got = 0
+        try:
+            while got < len(view):
+                self.sock.settimeout(limit.remaining())
+                count = self.sock.recv_into(view[got:])
+                if count == 0:
+                    raise PeerClosed(f"{self._where(f'receiving {what} from')}: the peer closed "
+                                     f"the connection after {got} of {len(view)} bytes")
+                got += count
+        except TimeoutError:
+            raise TransportTimeout(
+                f"{self._where(f'receiving {what} from')}: {limit} passed after {got} of "
+                f"{len(view)} bytes"
+            ) from None
+        except PeerClosed:
+            raise
+        except OSError as exc:
+            raise self._broken(exc, f"receiving {what} from", got, len(view)) from None
+
+    def _broken(self, exc: OSError, action: str, done: int, total: int) -> TransportError:
+        kind = PeerClosed if isinstance(exc, ConnectionError) else TransportError
+        return kind(f"{self._where(action)}: {exc.strerror} after {done} of {total} bytes")
+
+
+class Listener:
+    """A listening socket; connections accepted from it inherit its congestion control."""
+
+    def __init__(
+        self,
+        address: tuple[str, int] = ("0.0.0.0", 0),
+        *,
+        congestion: str | None = None,
+        backlog: int = 128,
+    ) -> None:
+        self._sock = _tcp_socket(address, congestion)
+        try:
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            self._sock.bind(address)
+            self._sock.listen(backlog)
+        except OSError as exc:
+            self._sock.close()
+            where = f"listening on {address[0]}:{address[1]}"
+            raise TransportError(f"{where}: {exc.strerror}") from None
+        self.address: tuple[str, int] = self._sock.getsockname()[:2]
+
+    @property
+    def congestion(self) -> str:
+        return _congestion(self._sock)
+
+    def accept(
+        self,
+        *,
+        rank: int,
+        run_id: int,
+        timeout: float,
+        expect: Collection[int] | None = None,
+    ) -> Stream:
+        """The next peer (one of `expect`, if given) that says hello to `rank` in this run.
+        Connections that do not are closed and named in the timeout's message."""
+        deadline = time.monotonic() + timeout
+        turned_away: list[str] = []
+        while (remaining := deadline - time.monotonic()) > 0:
+            self._sock.settimeout(remaining)
+            try:
+                sock, source = self._sock.accept()
+            except TimeoutError:
+                break
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            stream = Stream(sock, source[:2], rank=rank, peer=UNKNOWN_PEER, run_id=run_id)
+            try:
+                hello = stream.recv_message(timeout=min(remaining, HELLO_TIMEOUT))
+            except TransportError as exc:
+                stream.close()
+                turned_away.append(str(exc))
+                continue
+            target = _HELLO.unpack(hello.payload)[0] if len(hello.payload) == _HELLO.size else None
+            sender = hello.header.sender
+            if hello.header.kind != Kind.HELLO or target is None:
+                problem = f"{Kind(hello.header.kind).name} instead of a hello"
+            elif target != rank:
+                problem = f"rank {sender} meant to reach rank {target}"
+            elif expect is not None and sender not in expect:
+                problem = f"rank {sender}, not one of {sorted(expect)}"
+            else:
+                stream.peer = sender
+                return stream
+            stream.close()
+            turned_away.append(f"{source[0]}:{source[1]}: {problem}")
+        waited_for = f"ranks {sorted(expect)}" if expect is not None else "a peer"
+        extra = f"; turned away: {'; '.join(turned_away)}" if turned_away else ""
+        raise TransportTimeout(
+            f"rank {rank}: waiting on {self.address[0]}:{self.address[1]} for {waited_for} to "
+            f"connect: timed out after {timeout:g} s{extra}"
+        )
+
+    def close(self) -> None:
+        self._sock.close()
+
+    def __enter__(self) -> Listener:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class StreamMesh:
+    """Streams from `rank` to each of its peers: it connects to lower ranks and accepts higher
+    ones, so any start order works as long as every listener is bound before the addresses
+    are handed out. Outgoing connections use the listener's congestion control."""
+
+    def __init__(self, rank: int, streams: dict[int, Stream]) -> None:
+        self.rank, self.streams = rank, streams
+
+    @classmethod
+    def open(
+        cls,
+        rank: int,
+        listener: Listener,
+        addresses: Mapping[int, tuple[str, int]],
+        *,
+        run_id: int,
+        peers: Collection[int] | None = None,
+        timeout: float = 30.0,
+    ) -> StreamMesh:
+        """Connect to `peers` (default: every rank in `addresses` but this one)."""
+        peers = set(addresses) - {rank} if peers is None else set(peers) - {rank}
+        deadline = time.monotonic() + timeout
+        congestion = listener.congestion
+        streams: dict[int, Stream] = {}
+        try:
+            for peer in sorted(p for p in peers if p < rank):
+                streams[peer] = Stream.connect(
+                    addresses[peer], rank=rank, peer=peer, run_id=run_id,
+                    timeout=deadline - time.monotonic(), congestion=congestion,
+                )
+            waiting = {p for p in peers if p > rank}
+            while waiting:
+                stream = listener.accept(rank=rank, run_id=run_id, expect=waiting,
+                                         timeout=deadline - time.monotonic())
+                waiting.discard(stream.peer)
+                streams[stream.peer] = stream
+        except BaseException:
+            for stream in streams.values():
+                stream.close()
+            raise
+        return cls(rank, streams)
+
+    def __getitem__(self, peer: int) -> Stream:
+        return self.streams[peer]
+
+    def counters(self) -> dict[int, StreamCounters]:
+        return {peer: stream.counters() for peer, stream in sorted(self.streams.items())}
+
+    def close(self) -> None:
+        for stream in self.streams.values():
+            stream.close()
+
+    def __enter__(self) -> StreamMesh:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _tcp_socket(address: tuple[str, int], congestion: str | None) -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ":" in address[0] else socket.AF_INET)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if congestion is not None:
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, congestion.encode())
+        except OSError as exc:
+            sock.close()
+            raise _congestion_error(congestion, exc) from None
+    return sock
+
+
+def _congestion_error(name: str, exc: OSError) -> TransportError:
+    if isinstance(exc, PermissionError):
+        allowed = (_SYSCTL / "tcp_allowed_congestion_control").read_text().split()
+        return TransportError(f"congestion: {name!r} needs CAP_NET_ADMIN here; without it only "
+                              f"{allowed} (net.ipv4.tcp_allowed_congestion_control)")
+    available = (_SYSCTL / "tcp_available_congestion_control").read_text().split()
+    return TransportError(f"congestion: {name!r} is not available ({exc.strerror}); this kernel "
+                          f"has {available}")
+
+
+def _congestion(sock: socket.socket) -> str:
+    raw = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16)
+    return raw.split(b"\0", 1)[0].decode()
+
+
+class _Limit(NamedTuple):
+    """The time limit of one message (`seconds` None: none), shared by its socket calls."""
+
+    deadline: float
+    seconds: float | None
+
+    @classmethod
+    def of(cls, seconds: float | None) -> _Limit:
+        return cls(math.inf if seconds is None else time.monotonic() + seconds, seconds)
+
+    def remaining(self) -> float | None:
+        """Seconds left for the next socket call; raises TimeoutError when none are."""
+        if self.seconds is None:
+            return None
+        remaining = self.deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError
+        return remaining
+
+    def __str__(self) -> str:
+        return f"the time limit of {self.seconds:g} s"
+
+
+def _advance(buffers: list[memoryview], count: int) -> list[memoryview]:
+    """The buffers still to send after `count` bytes went."""
+    while buffers and count >= len(buffers[0]):
+        count -= len(buffers.pop(0))
+    if buffers and count:
+        buffers[0] = buffers[0][count:]
+    return buffers

@@ -1,0 +1,249 @@
+"""The wire format: one fixed header in front of every UDP datagram and every TCP message.
+
+Everything is big-endian and every field sits at an offset that is a multiple of its size, so
+a payload right after the 44-byte datagram header is 4-byte aligned and can be viewed as float32
+without a copy. No torch here: the format is plain bytes, decoded with `struct` one datagram at a
+time and encoded with numpy for a whole tensor's chunks at once.
+
+Network input is untrusted: `decode` either returns a header whose every field is consistent
+with the datagram's length, or raises `MalformedDatagram` with a `Reason` (never anything else),
+so a receive loop can count the reason and go on.
+"""
+
+from __future__ import annotations
+
+import struct
+from enum import IntEnum, StrEnum
+from typing import NamedTuple
+
+import numpy as np
+
+MAGIC = 0x5442  # "TB"
+VERSION = 1
+IPV4_HEADER = 20
+IPV6_HEADER = 40
+UDP_HEADER = 8
+ETHERNET_HEADER = 14
+MAX_IP_PACKET = 65535  # IPv4 total length (and IPv6 payload length) are 16-bit
+
+
+class Kind(IntEnum):
+    """What a datagram or message carries."""
+
+    GRADIENT = 1  # a worker's slice of a shard, to the shard's owner
+    PARAMETER = 2  # an owner's fresh shard, broadcast to every worker
+    CONTROL = 3  # anything else a collective needs to say (membership, step markers)
+    HELLO = 4  # the first TCP message on a connection: who is calling whom
+
+
+class Codec(IntEnum):
+    """How the payload's bytes are to be read; the decoder checks the payload length is a
+    whole number of elements."""
+
+    BYTES = 0
+    FLOAT32 = 1
+    FLOAT16 = 2
+    BFLOAT16 = 3
+    INT8 = 4
+
+    @property
+    def itemsize(self) -> int:
+        return ITEMSIZE[self]
+
+
+ITEMSIZE = {Codec.BYTES: 1, Codec.FLOAT32: 4, Codec.FLOAT16: 2, Codec.BFLOAT16: 2, Codec.INT8: 1}
+_KINDS = frozenset(int(kind) for kind in Kind)
+
+
+class Reason(StrEnum):
+    """Why a datagram was dropped. The value is the Prometheus label."""
+
+    TRUNCATED = "truncated"  # shorter than a header
+    OVERSIZE = "oversize"  # longer than the receiver's MTU allows (the kernel truncated it)
+    BAD_MAGIC = "bad_magic"
+    BAD_VERSION = "bad_version"
+    FOREIGN_RUN = "foreign_run"  # a valid header from another run
+    BAD_KIND = "bad_kind"
+    BAD_CODEC = "bad_codec"
+    BAD_CHUNK = "bad_chunk"  # chunk index not below the chunk count
+    BAD_LENGTH = "bad_length"  # the payload length field disagrees with the datagram
+    BAD_PAYLOAD = "bad_payload"  # not a whole number of the codec's elements
+    MTU_MISMATCH = "mtu_mismatch"  # chunked for another MTU: chunk i would not start at i * n
+    REPLAYED = "replayed"  # sequence number already seen, or older than the replay window
+
+    @property
+    def category(self) -> str:
+        """`foreign`, `replayed` or `malformed`: the per-peer counter it goes to."""
+        if self in (Reason.BAD_MAGIC, Reason.BAD_VERSION, Reason.FOREIGN_RUN):
+            return "foreign"
+        if self is Reason.REPLAYED:
+            return "replayed"
+        return "malformed"
+
+
+class MalformedDatagram(ValueError):
+    """A datagram (or TCP message header) that is not ours or not well formed."""
+
+    def __init__(self, reason: Reason, detail: str = "") -> None:
+        super().__init__(f"{reason.value}{': ' + detail if detail else ''}")
+        self.reason = reason
+
+
+# (name, struct code) in wire order; the struct and the numpy dtype both come from this list.
+_DATAGRAM_FIELDS = (
+    ("magic", "H"),
+    ("version", "B"),
+    ("kind", "B"),
+    ("codec", "H"),
+    ("sender", "H"),
+    ("run_id", "I"),
+    ("incarnation", "I"),  # random per sending endpoint: a restarted worker starts a new stream
+    ("seq", "Q"),  # per (sender incarnation, destination), from 0: gaps are losses
+    ("step", "I"),
+    ("bucket", "I"),
+    ("chunk", "I"),
+    ("chunks", "I"),
+    ("payload_len", "I"),
+)
+_FRAME_FIELDS = (
+    ("magic", "H"),
+    ("version", "B"),
+    ("kind", "B"),
+    ("codec", "H"),
+    ("sender", "H"),
+    ("run_id", "I"),
+    ("step", "I"),
+    ("bucket", "I"),
+    ("length", "Q"),
+)
+
+
+def _struct(fields: tuple[tuple[str, str], ...]) -> struct.Struct:
+    return struct.Struct("!" + "".join(code for _, code in fields))
+
+
+HEADER = _struct(_DATAGRAM_FIELDS)
+HEADER_SIZE = HEADER.size  # 44
+_NUMPY_CODES = {"B": ">u1", "H": ">u2", "I": ">u4", "Q": ">u8"}
+HEADER_DTYPE = np.dtype([(name, _NUMPY_CODES[code]) for name, code in _DATAGRAM_FIELDS])
+FRAME = _struct(_FRAME_FIELDS)
+FRAME_SIZE = FRAME.size  # 28
+
+
+class Header(NamedTuple):
+    """A datagram header, fields in wire order."""
+
+    magic: int
+    version: int
+    kind: int
+    codec: int
+    sender: int
+    run_id: int
+    incarnation: int
+    seq: int
+    step: int
+    bucket: int
+    chunk: int
+    chunks: int
+    payload_len: int
+
+
+class FrameHeader(NamedTuple):
+    """A TCP message header; `length` payload bytes follow it."""
+
+    magic: int
+    version: int
+    kind: int
+    codec: int
+    sender: int
+    run_id: int
+    step: int
+    bucket: int
+    length: int
+
+
+def payload_capacity(mtu: int, *, ipv6: bool = False) -> int:
+    """Payload bytes per datagram that fit one IP packet of `mtu` bytes, so no datagram is ever
+    fragmented (one lost fragment would lose the whole datagram)."""
+    ip = IPV6_HEADER if ipv6 else IPV4_HEADER
+    capacity = min(mtu, MAX_IP_PACKET) - ip - UDP_HEADER - HEADER_SIZE
+    if capacity < 8:
+        raise ValueError(f"mtu: {mtu} leaves {capacity} payload bytes per datagram; needs >= 8")
+    return capacity
+
+
+def chunk_numel(mtu: int, codec: Codec, *, ipv6: bool = False) -> int:
+    """Elements per chunk: what a full datagram holds. Chunk i starts at i * chunk_numel."""
+    return payload_capacity(mtu, ipv6=ipv6) // ITEMSIZE[codec]
+
+
+def encode(header: Header, payload: bytes | bytearray | memoryview = b"") -> bytes:
+    """One datagram (tests and single control datagrams; tensors go through `encode_headers`)."""
+    return HEADER.pack(*header) + bytes(payload)
+
+
+def encode_headers(template: Header, seq: int, payload_lens: np.ndarray) -> np.ndarray:
+    """The headers of a whole tensor's chunks at once, as an (n, HEADER_SIZE) uint8 array:
+    `template`'s fields, with chunk = 0..n-1, chunks = n, seq = seq..seq+n-1."""
+    n = len(payload_lens)
+    headers = np.empty(n, dtype=HEADER_DTYPE)
+    for name, value in template._asdict().items():
+        if not 0 <= value <= np.iinfo(HEADER_DTYPE[name]).max:
+            bits = HEADER_DTYPE[name].itemsize * 8
+            raise ValueError(f"{name}: {value} does not fit the header's {bits}-bit field")
+        headers[name] = value
+    headers["chunk"] = np.arange(n)
+    headers["chunks"] = n
+    headers["seq"] = seq + np.arange(n, dtype=np.uint64)
+    headers["payload_len"] = payload_lens
+    return headers.view(np.uint8).reshape(n, HEADER_SIZE)
+
+
+def decode(datagram: bytes | bytearray | memoryview, run_id: int | None = None) -> Header:
+    """The header of a whole datagram, checked against its length; raises `MalformedDatagram`.
+
+    With `run_id`, a header of another run is `FOREIGN_RUN`.
+    """
+    if len(datagram) < HEADER_SIZE:
+        raise MalformedDatagram(Reason.TRUNCATED, f"{len(datagram)} bytes")
+    header = Header._make(HEADER.unpack_from(datagram))
+    _check(header.magic, header.version, header.run_id, run_id, header.kind, header.codec)
+    if header.chunk >= header.chunks:
+        raise MalformedDatagram(Reason.BAD_CHUNK, f"chunk {header.chunk} of {header.chunks}")
+    if header.payload_len != len(datagram) - HEADER_SIZE:
+        raise MalformedDatagram(
+            Reason.BAD_LENGTH, f"header says {header.payload_len}, {len(datagram)} bytes came"
+        )
+    if header.payload_len % ITEMSIZE[header.codec]:
+        raise MalformedDatagram(Reason.BAD_PAYLOAD, f"{header.payload_len} bytes")
+    return header
+
+
+def encode_frame(header: FrameHeader) -> bytes:
+    return FRAME.pack(*header)
+
+
+def decode_frame(data: bytes | bytearray | memoryview, run_id: int | None = None) -> FrameHeader:
+    """A TCP message header (exactly FRAME_SIZE bytes); raises `MalformedDatagram`."""
+    if len(data) != FRAME_SIZE:
+        raise MalformedDatagram(Reason.TRUNCATED, f"{len(data)} bytes")
+    header = FrameHeader._make(FRAME.unpack(data))
+    _check(header.magic, header.version, header.run_id, run_id, header.kind, header.codec)
+    if header.length % ITEMSIZE[header.codec]:
+        raise MalformedDatagram(Reason.BAD_PAYLOAD, f"{header.length} bytes")
+    return header
+
+
+def _check(magic: int, version: int, run: int, expected_run: int | None, kind: int,
+           codec: int) -> None:
+    """The checks datagrams and TCP messages share."""
+    if magic != MAGIC:
+        raise MalformedDatagram(Reason.BAD_MAGIC, f"{magic:#06x}")
+    if version != VERSION:
+        raise MalformedDatagram(Reason.BAD_VERSION, f"version {version}, speaking {VERSION}")
+    if expected_run is not None and run != expected_run:
+        raise MalformedDatagram(Reason.FOREIGN_RUN, f"run {run}, this is run {expected_run}")
+    if kind not in _KINDS:
+        raise MalformedDatagram(Reason.BAD_KIND, f"kind {kind}")
+    if codec not in ITEMSIZE:
+        raise MalformedDatagram(Reason.BAD_CODEC, f"codec {codec}")

@@ -1,0 +1,181 @@
+"""TCP streams on loopback: a mesh that forms in any order, exact tensors, and errors that say
+who waited for whom and for what."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from testbed.transport import (
+    Kind,
+    Listener,
+    PeerClosed,
+    ProtocolError,
+    Stream,
+    StreamMesh,
+    TransportError,
+    TransportTimeout,
+)
+
+RUN = 31
+LOOPBACK = ("127.0.0.1", 0)
+WAIT = 10.0
+
+
+def in_threads(*calls: Callable[[], object]) -> list[object]:
+    """Run the calls at once; their results in order, or the first exception raised."""
+    results: list[object] = [None] * len(calls)
+    errors: list[BaseException] = []
+
+    def run(index: int) -> None:
+        try:
+            results[index] = calls[index]()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(WAIT)
+        assert not thread.is_alive(), "a call did not finish within its own time limits"
+    if errors:
+        raise errors[0]
+    return results
+
+
+@pytest.fixture
+def mesh() -> Iterator[Callable[..., list[StreamMesh]]]:
+    opened: list[StreamMesh] = []
+
+    def build(world: int, congestion: str | None = None) -> list[StreamMesh]:
+        listeners = [Listener(LOOPBACK, congestion=congestion) for _ in range(world)]
+        addresses = {rank: listener.address for rank, listener in enumerate(listeners)}
+        meshes = in_threads(*[
+            lambda rank=rank: StreamMesh.open(rank, listeners[rank], addresses, run_id=RUN,
+                                              timeout=WAIT)
+            for rank in range(world)
+        ])
+        for listener in listeners:
+            listener.close()
+        opened.extend(meshes)
+        return meshes
+
+    yield build
+    for each in opened:
+        each.close()
+
+
+def test_mesh_connects_every_pair(mesh):
+    meshes = mesh(4)
+    for rank, each in enumerate(meshes):
+        assert sorted(each.streams) == [p for p in range(4) if p != rank]
+        assert all(each[p].peer == p and each[p].rank == rank for p in each.streams)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
+def test_tensors_arrive_exactly(mesh, dtype):
+    a, b = mesh(2)
+    tensor = (torch.randn(2_000_000, generator=torch.Generator().manual_seed(3)) * 50).to(dtype)
+    out = torch.empty_like(tensor)
+    _, received = in_threads(
+        lambda: a[1].send_tensor(tensor, kind=Kind.GRADIENT, step=4, bucket=2, timeout=WAIT),
+        lambda: b[0].recv_tensor(kind=Kind.GRADIENT, step=4, bucket=2, timeout=WAIT, out=out),
+    )
+    assert received is out and torch.equal(out, tensor)
+    sent, got = a[1].counters(), b[0].counters()
+    payload = tensor.numel() * tensor.element_size()
+    assert sent.bytes_sent == got.bytes_received == 28 + payload
+    assert sent.tcp_retransmits == a[1].tcp_info().total_retrans
+
+
+def test_messages_keep_their_header(mesh):
+    a, b = mesh(2)
+    a[1].send_message(Kind.CONTROL, 9, 1, b"membership", timeout=WAIT)
+    message = b[0].recv_message(timeout=WAIT)
+    assert message.payload == b"membership"
+    assert (message.header.kind, message.header.step, message.header.bucket) == (Kind.CONTROL, 9, 1)
+    assert message.header.sender == 0
+
+
+def test_receive_timeout_names_rank_peer_address_and_limit(mesh):
+    _, b = mesh(2)
+    with pytest.raises(TransportTimeout) as caught:
+        b[0].recv_message(timeout=0.05)
+    text = str(caught.value)
+    host, port = b[0].address
+    assert f"rank 1: receiving a message header from rank 0 at {host}:{port}" in text
+    assert "time limit of 0.05 s" in text and "0 of 28 bytes" in text
+
+
+def test_connect_to_nobody_times_out_clearly():
+    with socket.socket() as unused:
+        unused.bind(LOOPBACK)
+        address = unused.getsockname()  # bound, never listening: refused
+    with pytest.raises(TransportTimeout, match=rf"rank 2: connecting to rank 5 at "
+                                               rf"127.0.0.1:{address[1]}: refused for 0.2 s"):
+        Stream.connect(address, rank=2, peer=5, run_id=RUN, timeout=0.2)
+
+
+def test_accept_turns_away_strangers_and_names_them():
+    with Listener(LOOPBACK) as listener, socket.create_connection(listener.address) as stranger:
+        stranger.sendall(b"GET / HTTP/1.0\r\n\r\n" + bytes(20))
+        wrong_run = Stream.connect(listener.address, rank=3, peer=0, run_id=RUN + 1, timeout=WAIT)
+        with pytest.raises(TransportTimeout) as caught:
+            listener.accept(rank=0, run_id=RUN, timeout=0.3, expect={1, 2})
+        wrong_run.close()
+    text = str(caught.value)
+    assert "waiting on 127.0.0.1" in text and "for ranks [1, 2] to connect" in text
+    assert "bad_magic" in text and "foreign_run" in text
+
+
+def test_unexpected_message_is_a_protocol_error(mesh):
+    a, b = mesh(2)
+    a[1].send_tensor(torch.ones(4), kind=Kind.GRADIENT, step=1, bucket=0, timeout=WAIT)
+    with pytest.raises(ProtocolError, match="expected GRADIENT step 2 bucket 0, got GRADIENT "
+                                            "step 1 bucket 0; stream closed"):
+        b[0].recv_tensor(kind=Kind.GRADIENT, step=2, bucket=0, timeout=WAIT)
+    assert b[0].sock.fileno() == -1
+
+
+def test_a_tensor_that_does_not_fit_out_is_a_protocol_error(mesh):
+    a, b = mesh(2)
+    a[1].send_tensor(torch.ones(4), kind=Kind.GRADIENT, step=1, bucket=0, timeout=WAIT)
+    with pytest.raises(ProtocolError, match=r"4 elements of torch\.float32 came for step 1 "
+                                            r"bucket 0, expected 5 of torch\.float32"):
+        b[0].recv_tensor(kind=Kind.GRADIENT, step=1, bucket=0, timeout=WAIT,
+                         out=torch.empty(5))
+
+
+def test_peer_closing_is_reported(mesh):
+    a, b = mesh(2)
+    a[1].close()
+    with pytest.raises(PeerClosed, match=r"rank 1: receiving a message header from rank 0 .*"
+                                         r"closed the connection after 0 of 28 bytes"):
+        b[0].recv_message(timeout=WAIT)
+
+
+def test_congestion_control_is_chosen_per_socket(mesh):
+    allowed = Path("/proc/sys/net/ipv4/tcp_allowed_congestion_control").read_text().split()
+    choice = allowed[-1]
+    a, b = mesh(2, congestion=choice)
+    assert a[1].congestion == b[0].congestion == choice  # connected and accepted ends
+    with pytest.raises(TransportError, match=r"'nosuch' is not available.*this kernel has"):
+        Listener(LOOPBACK, congestion="nosuch")
+
+
+def test_tcp_info_reads_the_kernels_figures(mesh):
+    a, b = mesh(2)
+    in_threads(
+        lambda: a[1].send_tensor(torch.zeros(100_000), kind=Kind.PARAMETER, step=0, bucket=0,
+                                 timeout=WAIT),
+        lambda: b[0].recv_tensor(kind=Kind.PARAMETER, step=0, bucket=0, timeout=WAIT),
+    )
+    info = a[1].tcp_info()
+    assert info.state == 1  # TCP_ESTABLISHED
+    assert info.bytes_acked >= 400_000 + 28 and info.snd_mss > 0 and info.rtt > 0

@@ -1,0 +1,323 @@
+"""UDP endpoints on loopback: exact tensors when nothing is lost, chunks that fit the MTU,
+pacing, loss from sequence gaps, late chunks, and datagrams that are dropped and counted
+(malformed, foreign, replayed) without ever raising.
+
+Every wait is bounded: a receiver collects until what it expects came or a deadline passes, and
+loopback keeps one sender's datagrams in order, so a final marker datagram having arrived means
+everything sent before it has been read."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from testbed.transport import (
+    HEADER_SIZE,
+    MAGIC,
+    UNKNOWN_PEER,
+    VERSION,
+    Codec,
+    DatagramEndpoint,
+    Header,
+    Kind,
+    TokenBucket,
+    TransportError,
+    codec_of,
+    encode,
+    expected_chunks,
+    payload_capacity,
+    place,
+)
+
+RUN = 77
+LOOPBACK = ("127.0.0.1", 0)
+WAIT = 10.0  # bound on every wait; a passing test never gets near it
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[DatagramEndpoint, DatagramEndpoint]]:
+    """Rank 0 sends, rank 1 receives; each knows the other."""
+    sender = DatagramEndpoint(0, RUN, LOOPBACK)
+    receiver = DatagramEndpoint(1, RUN, LOOPBACK, peers={0: sender.address})
+    sender.add_peer(1, receiver.address)
+    yield sender, receiver
+    sender.close()
+    receiver.close()
+
+
+@pytest.fixture
+def raw() -> Iterator[socket.socket]:
+    """A plain UDP socket to write hand-made datagrams with."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.bind(LOOPBACK)
+    yield sock
+    sock.close()
+
+
+def collect_in_thread(endpoint: DatagramEndpoint, *args) -> tuple[threading.Thread, dict]:
+    result: dict = {}
+
+    def run() -> None:
+        result["collected"] = endpoint.collect(*args)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, result
+
+
+def crafted(seq: int, *, sender: int = 5, kind: int = Kind.GRADIENT, step: int = 0,
+            bucket: int = 0, chunk: int = 0, chunks: int = 1, run: int = RUN,
+            incarnation: int = 1, payload: bytes = b"\0" * 4) -> bytes:
+    return encode(Header(MAGIC, VERSION, kind, Codec.FLOAT32, sender, run, incarnation, seq,
+                         step, bucket, chunk, chunks, len(payload)), payload)
+
+
+def wait_for_marker(endpoint: DatagramEndpoint, sender: int = 5, bucket: int = 0) -> None:
+    """Collect a CONTROL marker at step 1000 (everything sent before it has been read then)."""
+    got = endpoint.collect(Kind.CONTROL, 1000, bucket, {(sender, 0)}, time.monotonic() + WAIT)
+    assert not got.missing, "the marker datagram never came"
+
+
+def test_million_floats_round_trip_exactly():
+    """Paced at 200 Mbit/s so that a receiving thread keeps up even without root's buffers."""
+    tensor = torch.randn(1_000_000, generator=torch.Generator().manual_seed(1))
+    with (
+        DatagramEndpoint(1, RUN, LOOPBACK) as receiver,
+        DatagramEndpoint(0, RUN, LOOPBACK, rate=200e6, peers={1: receiver.address}) as sender,
+    ):
+        receiver.add_peer(0, sender.address)
+        numel = receiver.chunk_numel(Codec.FLOAT32)
+        expected = expected_chunks([0], tensor.numel(), numel)
+        thread, result = collect_in_thread(receiver, Kind.GRADIENT, 3, 1, expected,
+                                           time.monotonic() + WAIT)
+        sent = sender.send_tensor(1, Kind.GRADIENT, 3, 1, tensor)
+        thread.join()
+        counters = receiver.counters()[0]
+        drops = receiver.socket_counters().rcvbuf_drops
+    collected = result["collected"]
+    assert sent == len(expected) == len(collected.chunks) and not collected.missing
+    out = torch.empty_like(tensor)
+    assert place(collected.chunks, out, numel).all()
+    assert torch.equal(out, tensor)
+    assert counters.datagrams_received == sent
+    assert counters.datagrams_lost == counters.datagrams_late == drops == 0
+
+
+@pytest.mark.parametrize("mtu", [576, 1500, 9000])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
+def test_chunks_never_exceed_the_capacity(mtu, dtype):
+    with (
+        DatagramEndpoint(1, RUN, LOOPBACK, mtu=mtu) as receiver,
+        DatagramEndpoint(0, RUN, LOOPBACK, mtu=mtu, peers={1: receiver.address}) as sender,
+    ):
+        receiver.add_peer(0, sender.address)
+        tensor = torch.arange(3 * payload_capacity(mtu) + 5).to(dtype)
+        count = sender.send_tensor(1, Kind.PARAMETER, 0, 0, tensor)
+        numel = receiver.chunk_numel(codec_of(dtype))
+        got = receiver.collect(Kind.PARAMETER, 0, 0, expected_chunks([0], tensor.numel(), numel),
+                               time.monotonic() + WAIT)
+        assert len(got.chunks) == count and not got.missing
+        assert max(len(c.payload) for c in got.chunks) <= payload_capacity(mtu)
+        assert all(c.count == count for c in got.chunks)
+        sent = sender.counters()[1]
+        assert sent.bytes_sent <= sent.datagrams_sent * (HEADER_SIZE + payload_capacity(mtu))
+        out = torch.empty_like(tensor)
+        place(got.chunks, out, numel)
+        assert torch.equal(out, tensor)
+
+
+@pytest.mark.parametrize(
+    ("mtu", "reason", "rejected"),
+    [(1400, "mtu_mismatch", 2), (9000, "oversize", 3)],  # 1400: the last chunk fits anyway
+)
+def test_chunks_cut_for_another_mtu_are_rejected(mtu, reason, rejected):
+    """Chunk i starts at i * chunk_numel of the receiver's MTU; other chunkings cannot be
+    placed, so they are counted and dropped instead of landing in the wrong place."""
+    with (
+        DatagramEndpoint(1, RUN, LOOPBACK, mtu=1500) as receiver,
+        DatagramEndpoint(0, RUN, LOOPBACK, mtu=mtu, peers={1: receiver.address}) as sender,
+    ):
+        receiver.add_peer(0, sender.address)
+        sender.send_tensor(1, Kind.GRADIENT, 0, 0, torch.zeros(3 * payload_capacity(mtu) // 4))
+        sender.send_tensor(1, Kind.CONTROL, 1000, 0, torch.zeros(1))
+        wait_for_marker(receiver, sender=0)
+        assert receiver.socket_counters().rejected == {reason: rejected}
+        assert receiver.counters()[0].datagrams_malformed == rejected
+
+
+def test_token_bucket_pays_debt_with_waiting():
+    bucket = TokenBucket(rate=8000, burst=100, now=0.0)  # 1000 bytes/s
+    assert bucket.take(100, now=0.0) == 0.0  # the burst goes at once
+    assert bucket.take(100, now=0.0) == pytest.approx(0.1)
+    assert bucket.take(50, now=0.1) == pytest.approx(0.05)
+    assert bucket.take(10, now=10.0) == 0.0  # refilled, but never beyond the burst
+    assert bucket.tokens == pytest.approx(90)
+
+
+def test_pacing_limits_the_rate(pair):
+    """A lower bound only: the send cannot be faster than the rate allows (minus the burst)."""
+    _, receiver = pair
+    rate, burst = 20e6, 3000
+    with DatagramEndpoint(0, RUN, LOOPBACK, rate=rate, burst=burst,
+                          peers={1: receiver.address}) as sender:
+        start = time.monotonic()
+        count = sender.send_tensor(1, Kind.GRADIENT, 0, 0, torch.zeros(60_000))
+        elapsed = time.monotonic() - start
+        frames = sender.counters()[1].bytes_sent + count * (14 + 20 + 8)
+    assert elapsed >= 0.8 * (frames - burst) * 8 / rate
+
+
+def test_missing_chunks_are_reported_at_the_deadline(pair):
+    sender, receiver = pair
+    sender.send_tensor(1, Kind.GRADIENT, 0, 0, torch.ones(10))
+    got = receiver.collect(Kind.GRADIENT, 0, 0, {(0, 0), (0, 1), (2, 0)},
+                           time.monotonic() + 0.05)
+    assert got.missing == {(0, 1), (2, 0)}
+    assert [(c.sender, c.index) for c in got.chunks] == [(0, 0)]
+    assert torch.equal(got.chunks[0].values(), torch.ones(10))
+    assert got.last_arrival is not None
+
+
+def test_chunks_after_the_step_closed_are_late(pair):
+    sender, receiver = pair
+    early = receiver.collect(Kind.GRADIENT, 0, 0, {(0, 0)}, time.monotonic())  # gives up
+    assert early.missing == {(0, 0)}
+    sender.send_tensor(1, Kind.GRADIENT, 0, 0, torch.ones(3))  # late for step 0
+    sender.send_tensor(1, Kind.GRADIENT, 1, 0, torch.ones(3))
+    got = receiver.collect(Kind.GRADIENT, 1, 0, {(0, 0)}, time.monotonic() + WAIT)
+    assert not got.missing and got.late == 1
+    counters = receiver.counters()[0]
+    assert counters.datagrams_late == 1 and counters.datagrams_received == 2
+    with pytest.raises(ValueError, match="step 0 bucket 0 is closed"):
+        receiver.collect(Kind.GRADIENT, 0, 0, set(), time.monotonic())
+
+
+def test_keys_never_collected_expire_as_late(pair):
+    sender, receiver = pair
+    sender.send_tensor(1, Kind.PARAMETER, 0, 0, torch.ones(3))  # nobody collects this one
+    sender.send_tensor(1, Kind.GRADIENT, 20, 0, torch.ones(3))
+    receiver.collect(Kind.GRADIENT, 20, 0, {(0, 0)}, time.monotonic() + WAIT)
+    assert receiver.counters()[0].datagrams_late == 1  # step 0 fell out of the 8-step history
+
+
+def test_losses_are_sequence_gaps(raw):
+    with DatagramEndpoint(1, RUN, LOOPBACK, peers={5: raw.getsockname()}) as receiver:
+        for seq in (0, 1, 3, 7):  # 2, 4, 5 and 6 lost
+            raw.sendto(crafted(seq, bucket=seq), receiver.address)
+        raw.sendto(crafted(8, kind=Kind.CONTROL, step=1000), receiver.address)
+        wait_for_marker(receiver)
+        assert receiver.counters()[5].datagrams_lost == 4
+        raw.sendto(crafted(5, bucket=5), receiver.address)  # reordered, not lost
+        raw.sendto(crafted(9, kind=Kind.CONTROL, step=1000, bucket=1), receiver.address)
+        wait_for_marker(receiver, bucket=1)
+        counters = receiver.counters()[5]
+        assert counters.datagrams_lost == 3 and counters.datagrams_received == 7
+
+
+def test_a_stream_joined_late_counts_from_where_it_was_joined(raw):
+    """A receiver that restarted sees a running stream: what came before it is not loss."""
+    with DatagramEndpoint(1, RUN, LOOPBACK, peers={5: raw.getsockname()},
+                          replay_window=64) as receiver:
+        raw.sendto(crafted(10_000), receiver.address)
+        raw.sendto(crafted(10_001, kind=Kind.CONTROL, step=1000), receiver.address)
+        wait_for_marker(receiver)
+        counters = receiver.counters()[5]
+    assert counters.datagrams_lost == 0 and counters.datagrams_received == 2
+
+
+def test_replayed_foreign_and_malformed_are_counted_never_raised(raw):
+    rng = np.random.default_rng(7)
+    garbage = [rng.bytes(int(n)) for n in rng.integers(0, 200, 100)]
+    with DatagramEndpoint(1, RUN, LOOPBACK, peers={5: raw.getsockname()}) as receiver:
+        first = crafted(0)
+        bad = [
+            first,  # replayed
+            crafted(1, run=RUN + 1),  # foreign run
+            b"XX" + crafted(1)[2:],  # foreign magic
+            crafted(1)[:HEADER_SIZE + 2],  # truncated payload: bad length
+            crafted(1, chunk=3, chunks=2),  # malformed
+            *garbage,
+        ]
+        raw.sendto(first, receiver.address)
+        for datagram in bad:
+            raw.sendto(datagram, receiver.address)
+        raw.sendto(crafted(1, kind=Kind.CONTROL, step=1000), receiver.address)
+        wait_for_marker(receiver)
+        counters = receiver.counters()[5]
+        rejected = receiver.socket_counters().rejected
+    assert counters.datagrams_received == 2  # the first copy and the marker
+    assert counters.datagrams_replayed == 1
+    assert counters.datagrams_foreign >= 2 and counters.datagrams_malformed >= 2
+    assert counters.datagrams_foreign + counters.datagrams_malformed == len(bad) - 1
+    assert rejected["replayed"] == 1 and rejected["foreign_run"] == 1
+    assert sum(rejected.values()) == len(bad)
+
+
+def test_undecodable_datagrams_from_strangers_count_as_unknown(pair, raw):
+    sender, receiver = pair
+    raw.sendto(b"hello", receiver.address)
+    sender.send_tensor(1, Kind.CONTROL, 1000, 0, torch.ones(1))
+    wait_for_marker(receiver, sender=0)
+    assert receiver.counters()[UNKNOWN_PEER].datagrams_malformed == 1
+
+
+def test_a_restarted_sender_starts_a_new_stream(raw):
+    with DatagramEndpoint(1, RUN, LOOPBACK, peers={5: raw.getsockname()}) as receiver:
+        for seq in range(3):
+            raw.sendto(crafted(seq, incarnation=1, bucket=seq), receiver.address)
+        raw.sendto(crafted(0, incarnation=2, kind=Kind.CONTROL, step=1000), receiver.address)
+        wait_for_marker(receiver)
+        raw.sendto(crafted(3, incarnation=1, step=1), receiver.address)  # the old stream: stale
+        raw.sendto(crafted(1, incarnation=2, kind=Kind.CONTROL, step=1000, bucket=1),
+                   receiver.address)
+        wait_for_marker(receiver, bucket=1)
+        counters = receiver.counters()[5]
+    assert counters.datagrams_received == 5 and counters.datagrams_replayed == 1
+    assert counters.datagrams_lost == 0
+
+
+def test_place_puts_chunks_in_order_and_skips_misfits(pair):
+    sender, receiver = pair
+    tensor = torch.arange(10_000, dtype=torch.float32)
+    numel = receiver.chunk_numel()
+    sender.send_tensor(1, Kind.PARAMETER, 0, 0, tensor)
+    sender.send_tensor(1, Kind.PARAMETER, 0, 0, torch.ones(3, dtype=torch.float16))
+    got = receiver.collect(Kind.PARAMETER, 0, 0, expected_chunks([0], tensor.numel(), numel),
+                           time.monotonic() + WAIT)
+    chunks = sorted(got.chunks, key=lambda c: -c.index)  # any order
+    keep = [c for c in chunks if c.index != 2]
+    out = torch.full_like(tensor, -1)
+    fits = place(keep, out, numel)
+    assert fits.sum() == len(keep)
+    gap = slice(2 * numel, 3 * numel)
+    assert torch.equal(out[: 2 * numel], tensor[: 2 * numel])
+    assert torch.equal(out[3 * numel:], tensor[3 * numel:])
+    assert (out[gap] == -1).all()
+    smaller = torch.zeros(numel // 2)
+    assert not place(chunks, smaller, numel).any()  # nothing fits
+
+
+def test_errors_name_the_problem(pair):
+    sender, _ = pair
+    with pytest.raises(TransportError, match="no address for peer 9"):
+        sender.send_tensor(9, Kind.GRADIENT, 0, 0, torch.ones(1))
+    with pytest.raises(ValueError, match="float64 has no wire codec"):
+        sender.send_tensor(1, Kind.GRADIENT, 0, 0, torch.ones(1, dtype=torch.float64))
+    with pytest.raises(ValueError, match="step: 4294967296"):
+        sender.send_tensor(1, Kind.GRADIENT, 2**32, 0, torch.ones(1))
+
+
+def test_buffers_are_granted_and_reported():
+    """Linux doubles a request for its bookkeeping; without root it caps it at rmem_max."""
+    rmem_max = int(Path("/proc/sys/net/core/rmem_max").read_text())
+    with DatagramEndpoint(0, RUN, LOOPBACK, rcvbuf=1 << 20) as endpoint:
+        counters = endpoint.socket_counters()
+    assert counters.rcvbuf_bytes == endpoint.rcvbuf_bytes >= 2 * min(1 << 20, rmem_max)
+    assert counters.sndbuf_bytes > 0
