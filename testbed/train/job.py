@@ -1,0 +1,209 @@
+"""The training job one worker runs: its data shard, the model, injected straggler delay,
+DropCompute, and a strategy that combines the workers' work over a collective.
+
+`train(config, collective, rank, world, on_step=...)` runs it and hands every step's
+`StepRecord` to `on_step` (the metrics and report layers). Time comes from a `Clock`, so tests
+can run stragglers and DropCompute on a fake clock without sleeping.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+from torch.nn.utils import parameters_to_vector
+
+from testbed.collectives.base import AllReduceStats, Collective
+from testbed.train.config import TrainConfig
+from testbed.train.data import Dataset, Shard, characters, digits
+from testbed.train.dropcompute import DropCompute
+from testbed.train.models import build_model, evaluate, loss_fn
+from testbed.train.stragglers import StragglerDelay
+from testbed.train.strategies import make_strategy
+
+
+class Clock(Protocol):
+    def now(self) -> float:
+        """Seconds on a monotonic clock."""
+        ...
+
+    def sleep(self, seconds: float) -> None:
+        """Spend `seconds` (the injected straggler delay)."""
+        ...
+
+
+class SystemClock:
+    """Real time: the injected delay really sleeps, which is the straggler feature."""
+
+    def now(self) -> float:
+        return time.perf_counter()
+
+    def sleep(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+
+@dataclass
+class StepRecord:
+    """What one worker's step did. `wait_seconds` is the time after compute: the collective
+    (waiting for slower peers, then communicating) and the optimizer update; `stats` is None on
+    steps that did not use the collective (local steps of strategy average)."""
+
+    rank: int
+    step: int
+    loss: float
+    compute_seconds: float
+    wait_seconds: float
+    step_seconds: float
+    injected_delay_seconds: float
+    micro_batches: int
+    micro_batches_dropped: int
+    threshold_seconds: float | None
+    stats: AllReduceStats | None
+    evaluation: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class RunSummary:
+    """Means over steps (and workers) of a run, to set DropCompute against its baseline."""
+
+    steps: int
+    drop_rate: float
+    step_seconds: float
+    compute_seconds: float
+    wait_seconds: float
+
+    def speedup_over(self, baseline: RunSummary) -> float:
+        """How many times faster a step is than in `baseline` (e.g. the same run without
+        DropCompute, measured side by side)."""
+        return baseline.step_seconds / self.step_seconds
+
+
+def summarize(records: Iterable[StepRecord]) -> RunSummary:
+    records = list(records)
+    computed = sum(r.micro_batches for r in records)
+    dropped = sum(r.micro_batches_dropped for r in records)
+    count = len(records)
+    return RunSummary(
+        steps=count,
+        drop_rate=dropped / (computed + dropped),
+        step_seconds=sum(r.step_seconds for r in records) / count,
+        compute_seconds=sum(r.compute_seconds for r in records) / count,
+        wait_seconds=sum(r.wait_seconds for r in records) / count,
+    )
+
+
+@dataclass
+class TrainResult:
+    records: list[StepRecord]
+    evaluation: dict[str, float]
+
+    @property
+    def summary(self) -> RunSummary:
+        return summarize(self.records)
+
+
+def load_dataset(config: TrainConfig) -> Dataset:
+    if config.model == "char-lm":
+        return characters(config.context, config.corpus_chars)
+    return digits()
+
+
+class Job:
+    """One worker's end of data-parallel training; `step(n)` runs step n."""
+
+    def __init__(
+        self,
+        config: TrainConfig,
+        collective: Collective,
+        rank: int,
+        world: int,
+        clock: Clock | None = None,
+    ) -> None:
+        if (collective.rank, collective.world) != (rank, world):
+            raise ValueError(
+                f"collective is rank {collective.rank} of {collective.world}, "
+                f"the job was given rank {rank} of {world}"
+            )
+        torch.set_num_threads(config.threads)
+        self.config = config
+        self.collective = collective
+        self.rank = rank
+        self.clock = clock or SystemClock()
+        self.data = load_dataset(config)
+        self.shard = Shard(len(self.data.train_y), rank, world, config.seed)
+        self.model = build_model(config.model, self.data, config.context, config.seed)
+        self.parameters = list(self.model.parameters())
+        self.strategy = make_strategy(config, collective, self.model)
+        self.delay = (
+            StragglerDelay(config.straggler, config.seed, rank) if config.straggler else None
+        )
+        self.drop = (
+            DropCompute(config.drop_compute, config.micro_batches, rank, world)
+            if config.drop_compute
+            else None
+        )
+
+    def step(self, step: int) -> StepRecord:
+        config, clock = self.config, self.clock
+        start = clock.now()
+        delay_share = (self.delay.next() if self.delay else 0.0) / config.micro_batches
+        for parameter in self.parameters:
+            parameter.grad = None
+        losses: list[float] = []
+        starts: list[float] = []
+        for micro in self.shard.batch(step, config.batch).chunk(config.micro_batches):
+            starts.append(clock.now() - start)
+            loss = loss_fn(self.model(self.data.train_x[micro]), self.data.train_y[micro])
+            loss.backward()
+            losses.append(loss.item())
+            clock.sleep(delay_share)
+            if self.drop is not None and self.drop.stop(clock.now() - start):
+                break
+        compute_end = clock.now()
+        computed = len(losses)
+        gradient_sum = parameters_to_vector([p.grad for p in self.parameters])
+        stats = self.strategy.apply(gradient_sum, computed, step)
+        if self.drop is not None:
+            self.drop.observe(starts, step, self.collective)
+        end = clock.now()
+        return StepRecord(
+            rank=self.rank,
+            step=step,
+            loss=sum(losses) / computed,
+            compute_seconds=compute_end - start,
+            wait_seconds=end - compute_end,
+            step_seconds=end - start,
+            injected_delay_seconds=delay_share * computed,
+            micro_batches=computed,
+            micro_batches_dropped=config.micro_batches - computed,
+            threshold_seconds=self.drop.threshold if self.drop else None,
+            stats=stats,
+        )
+
+    def evaluate(self) -> dict[str, float]:
+        return evaluate(self.model, self.data, self.config.eval_samples)
+
+
+def train(
+    config: TrainConfig,
+    collective: Collective,
+    rank: int,
+    world: int,
+    on_step: Callable[[StepRecord], None] | None = None,
+    clock: Clock | None = None,
+) -> TrainResult:
+    """Run `config.steps` steps as worker `rank` of `world`; evaluate every `eval_every` steps
+    (into that step's record) and at the end."""
+    job = Job(config, collective, rank, world, clock)
+    records = []
+    for step in range(config.steps):
+        record = job.step(step)
+        if config.eval_every and (step + 1) % config.eval_every == 0:
+            record.evaluation = job.evaluate()
+        records.append(record)
+        if on_step is not None:
+            on_step(record)
+    return TrainResult(records, records[-1].evaluation or job.evaluate())
