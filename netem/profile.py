@@ -32,6 +32,7 @@ from netem.units import (
 
 DISTRIBUTIONS = ("uniform", "normal", "pareto", "paretonormal")
 DEFAULT_LIMIT = 1000
+MAX_JITTER = (2**31 - 1) / 1e9  # netem's delay table takes a signed 32-bit sigma in ns
 
 
 def _on_grid(value: float) -> float:
@@ -94,7 +95,7 @@ class LinkProfile(BaseModel):
     corrupt_correlation: Fraction = 0.0
     reorder: Fraction = 0.0
     reorder_correlation: Fraction = 0.0
-    gap: int = Field(default=0, ge=0, le=2**32 - 1)
+    gap: int = Field(default=0, ge=0, le=2**32 - 1)  # 1 behaves as 0 in netem; kept as 0
     rate: BitsPerSecond | None = None
     limit: int = Field(default=DEFAULT_LIMIT, ge=1, le=2**32 - 1)
 
@@ -103,6 +104,18 @@ class LinkProfile(BaseModel):
     def _known_distribution(cls, value: Any) -> Any:
         if value not in DISTRIBUTIONS:
             raise ValueError(f"expected one of {', '.join(DISTRIBUTIONS)}, got {value!r}")
+        return value
+
+    @field_validator("gap")
+    @classmethod
+    def _gap_on_kernel_grid(cls, value: int) -> int:
+        return 0 if value == 1 else value
+
+    @field_validator("jitter")
+    @classmethod
+    def _jitter_within_netem(cls, value: float) -> float:
+        if value > MAX_JITTER:
+            raise ValueError(f"netem takes a jitter of at most {MAX_JITTER}s, got {value}s")
         return value
 
     @model_validator(mode="after")

@@ -7,6 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from netem import GilbertElliott, LinkProfile, ProfileError
+from netem.profile import MAX_JITTER
 from netem.units import parse_fraction, parse_rate, parse_time
 
 
@@ -51,6 +52,7 @@ def test_parse_rate(text, bits):
         ({"lose": "5%"}, "lose", "allowed: delay, jitter"),
         ({"limit": 0}, "limit", "greater than or equal to 1"),
         ({"gap": -1}, "gap", "greater than or equal to 0"),
+        ({"delay": "5s", "jitter": "3s"}, "jitter", "at most 2.147483647s"),
         ({"gilbert_elliott": {"p": "1%", "q": 1}}, "gilbert_elliott.q", "allowed: p, r, 1-h, 1-k"),
         ({"gilbert_elliott": {"p": "200%"}}, "gilbert_elliott.p", "percentage"),
     ],
@@ -111,7 +113,7 @@ durations = st.integers(0, 10**10).map(lambda n: n / 10**9)
 @st.composite
 def profiles(draw) -> LinkProfile:
     delay = draw(durations)
-    jitter = draw(durations) if delay else 0.0
+    jitter = min(draw(durations), MAX_JITTER) if delay else 0.0
     bursty = draw(st.booleans())
     reorder = draw(fractions) if delay else 0.0
     return LinkProfile(
