@@ -1,0 +1,105 @@
+"""Moshpit between four processes in four network namespaces (one peer per lab host, rank 0
+serving the TCPStore): they reach the exact mean, and when one is killed with SIGKILL mid-run
+the others finish every step, averaging without it.
+
+Each peer is `python -m testbed.collectives.moshpit`, printing one JSON line per step with the
+head and the sum of its result; its inputs are `demo_input(rank, step)`, so the test
+recomputes what every line should say."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from netem.lab import Lab
+from testbed.collectives.grid import Grid
+from testbed.collectives.moshpit import demo_input
+
+pytestmark = pytest.mark.netns
+WORLD, STEPS, NUMEL, TIMEOUT = 4, 12, 100_000, 1.0
+STORE_PORT = 29500  # free: the namespace is new
+WAIT = 60.0  # four processes importing torch on two cores, then the steps
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def start_peer(lab: Lab, rank: int, out: Path) -> subprocess.Popen[str]:
+    host = lab.hosts[rank]
+    argv = [
+        sys.executable, "-m", "testbed.collectives.moshpit", "--rank", str(rank),
+        "--world", str(WORLD), "--store", f"{lab.hosts[0].address}:{STORE_PORT}",
+        "--listen", host.address, "--group-size", "2", "--timeout", str(TIMEOUT),
+        "--heartbeat", "0.1", "--steps", str(STEPS), "--numel", str(NUMEL),
+        "--interval", "0.1", *(["--serve-store"] if rank == 0 else []),
+    ]
+    with (out / f"{rank}.jsonl").open("w") as stdout, (out / f"{rank}.err").open("w") as stderr:
+        return lab.popen(host, argv, stdout=stdout, stderr=stderr, cwd=ROOT)
+
+
+def lines(out: Path, rank: int) -> list[dict]:
+    text = (out / f"{rank}.jsonl").read_text()
+    return [json.loads(line) for line in text.splitlines() if line.endswith("}")]
+
+
+def expected(step: int, absent: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every rank's result of `step` and its coverage, with the `absent` ranks left out."""
+    grid = Grid.for_world(WORLD, 2)
+    values = torch.stack([demo_input(rank, step, NUMEL) for rank in range(WORLD)]).double()
+    share = torch.full((WORLD,), 1 / WORLD, dtype=torch.float64)
+    for round_index in range(grid.dims):
+        for group in grid.groups(round_index):
+            present = [rank for rank in group if rank not in absent]
+            values[present] = values[present].mean(0)
+            share[present] = share[present].sum()
+    return values, share
+
+
+def check(line: dict, values: torch.Tensor, coverage: float) -> None:
+    assert line["head"] == pytest.approx(values[:4].tolist(), rel=1e-5, abs=1e-6), line["step"]
+    assert line["sum"] == pytest.approx(values.sum().item(), abs=1e-2), line["step"]
+    assert line["coverage"] == pytest.approx(coverage), line["step"]
+
+
+def test_peers_in_namespaces_reach_the_mean_and_survive_a_kill(make_lab, tmp_path):
+    lab = make_lab(WORLD)
+    victim = 3
+    peers = {rank: start_peer(lab, rank, tmp_path) for rank in range(WORLD)}
+    try:
+        deadline = time.monotonic() + WAIT
+        while len(lines(tmp_path, victim)) < 3:  # steps 0..2 done: kill it mid-run
+            assert peers[victim].poll() is None, (tmp_path / f"{victim}.err").read_text()
+            assert time.monotonic() < deadline, "the peers did not get through three steps"
+            time.sleep(0.05)
+        peers[victim].send_signal(signal.SIGKILL)
+        peers[victim].wait()
+        for rank, peer in peers.items():
+            if rank != victim:
+                assert peer.wait(timeout=WAIT) == 0, (tmp_path / f"{rank}.err").read_text()
+    finally:
+        for peer in peers.values():
+            if peer.poll() is None:
+                peer.kill()
+                peer.wait()
+
+    results = {rank: lines(tmp_path, rank) for rank in range(WORLD)}
+    for step in (0, 1):  # before the kill: everyone, the exact mean
+        values, _ = expected(step, absent=[])
+        for rank in range(WORLD):
+            check(results[rank][step], values[0], 1.0)
+            assert results[rank][step]["missing"] == []
+    values, share = expected(STEPS - 1, absent=[victim])
+    grid = Grid.for_world(WORLD, 2)
+    for rank in range(WORLD):
+        if rank == victim:
+            continue
+        assert [line["step"] for line in results[rank]] == list(range(STEPS))
+        last = results[rank][-1]
+        check(last, values[rank], share[rank].item())
+        grouped_with_victim = any(victim in grid.group(rank, r) for r in range(grid.dims))
+        assert (victim in last["missing"]) == grouped_with_victim

@@ -1,0 +1,284 @@
+"""Moshpit averaging among peers in threads, over real TCP sockets on loopback: the exact mean
+after d rounds, group means after one, peers that leave, stop answering or come back, and the
+heartbeats that decide who is alive. Waits are bounded polls on a condition, never sleeps."""
+
+from __future__ import annotations
+
+import json
+import math
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from functools import partial
+
+import pytest
+import torch
+
+from testbed.collectives.base import Collective
+from testbed.collectives.grid import Grid
+from testbed.collectives.membership import Member, Membership, host_store
+from testbed.collectives.moshpit import Moshpit, MoshpitStats, demo_input, main
+
+NUMEL = 100_000
+WAIT = 10.0  # seconds any bounded poll may take before the test fails
+
+
+def together(*calls: Callable[[], object]) -> list[object]:
+    """Run the calls at once in threads; their results in order, or the first error."""
+    results: list[object] = [None] * len(calls)
+    errors: list[BaseException] = []
+
+    def run(index: int) -> None:
+        try:
+            results[index] = calls[index]()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
+def poll(condition: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + WAIT
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"not within {WAIT} s: {what}")
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def store() -> Iterator[tuple[str, int]]:
+    """A TCPStore served by the test, so any rank (0 included) may leave and rejoin."""
+    served = host_store(("127.0.0.1", 0))
+    yield ("127.0.0.1", served.port)
+    del served
+
+
+@pytest.fixture
+def swarm(store) -> Iterator[Callable[..., dict[int, Moshpit]]]:
+    """Start peers (all at once, as their rendezvous waits for each other); all are closed at
+    the end."""
+    made: list[Moshpit] = []
+
+    def start(world: int, ranks: Iterable[int] | None = None, **options) -> dict[int, Moshpit]:
+        options = {"group_size": 2, "timeout": 1.0, "heartbeat": 0.1, "expiry": 2.0, **options}
+        ranks = list(range(world) if ranks is None else ranks)
+        peers = together(*(partial(Moshpit, rank, world, store=store, serve_store=False,
+                                   **options) for rank in ranks))
+        made.extend(peers)
+        return dict(zip(ranks, peers, strict=True))
+
+    yield start
+    for peer in made:
+        peer.close()
+
+
+def reduce_all(
+    peers: dict[int, Moshpit], inputs: torch.Tensor, step: int
+) -> dict[int, tuple[torch.Tensor, MoshpitStats]]:
+    ranks = list(peers)
+    results = together(*(partial(peers[r].allreduce, inputs[r], step) for r in ranks))
+    return dict(zip(ranks, results, strict=True))
+
+
+def reference(grid: Grid, inputs: torch.Tensor, rounds: Iterable[int],
+              absent: Iterable[int] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+    """What each peer should hold after `rounds` of group means without the `absent` peers,
+    and its coverage (its share of the world's contributions over the share with none
+    absent)."""
+    values = inputs.double()
+    share = torch.full((grid.world,), 1 / grid.world, dtype=torch.float64)
+    ideal = 1 / grid.world
+    for round_index in rounds:
+        for group in grid.groups(round_index):
+            present = [rank for rank in group if rank not in set(absent)]
+            values[present] = values[present].mean(0)
+            share[present] = share[present].sum()
+        ideal *= grid.sides[round_index % grid.dims]
+    return values.float(), share / ideal
+
+
+@pytest.mark.parametrize(("world", "group_size", "sides"), [(4, 2, (2, 2)), (8, 4, (4, 2))])
+def test_exact_global_mean_after_d_rounds(swarm, world, group_size, sides):
+    peers = swarm(world, group_size=group_size)
+    assert peers[0].grid.sides == sides
+    assert isinstance(peers[0], Collective)
+    inputs = torch.randn(world, NUMEL)
+    before = inputs.clone()
+
+    results = reduce_all(peers, inputs, step=0)
+
+    mean = inputs.mean(0)
+    for rank, (result, stats) in results.items():
+        torch.testing.assert_close(result, mean)
+        assert stats.coverage == pytest.approx(1.0)
+        assert stats.peers_missing == ()
+        assert [r.round_index for r in stats.rounds] == list(range(len(sides)))
+        assert all(r.present == r.group and r.coverage == 1.0 for r in stats.rounds)
+        assert stats.bytes_sent > NUMEL * 4 / 2 and stats.bytes_received > NUMEL * 4 / 2, rank
+    torch.testing.assert_close(inputs, before, rtol=0, atol=0)  # the inputs are untouched
+
+
+def test_one_round_averages_exactly_within_groups(swarm):
+    peers = swarm(4)
+    inputs = torch.randn(4, NUMEL)
+
+    results = together(*(partial(peers[r].average_round, inputs[r], 1) for r in range(4)))
+
+    grid = peers[0].grid
+    expected, _ = reference(grid, inputs, [1])
+    for rank, (result, stats) in enumerate(results):
+        torch.testing.assert_close(result, expected[rank])
+        (round_stats,) = stats.rounds
+        assert round_stats.axis == 1 and round_stats.group == tuple(grid.group(rank, 1))
+        assert stats.coverage == pytest.approx(1.0)
+
+
+def test_a_peer_that_left_is_not_waited_for(swarm):
+    timeout = 2.0
+    peers = swarm(4, timeout=timeout)
+    peers.pop(3).close()
+    poll(lambda: all(3 not in peer.membership.alive() for peer in peers.values()),
+         "the others see rank 3 gone")
+    inputs = torch.randn(4, NUMEL)
+
+    start = time.monotonic()
+    results = reduce_all(peers, inputs, step=0)
+    elapsed = time.monotonic() - start
+
+    assert elapsed < timeout, "a peer that said it left was waited for"
+    expected, coverage = reference(peers[0].grid, inputs, [0, 1], absent=[3])
+    for rank, (result, stats) in results.items():
+        torch.testing.assert_close(result, expected[rank])
+        assert stats.coverage == pytest.approx(coverage[rank].item())
+        in_its_groups = any(3 in r.group for r in stats.rounds)
+        assert stats.peers_missing == ((3,) if in_its_groups else ()), rank
+
+
+def test_a_peer_that_stops_answering_is_left_out_then_rejoins_the_rounds(swarm):
+    timeout = 0.5
+    peers = swarm(4, timeout=timeout)
+    silent = peers[3]  # alive to the membership (it beats) but never takes part in step 0
+    inputs = torch.randn(4, NUMEL)
+    others = {rank: peer for rank, peer in peers.items() if rank != 3}
+
+    start = time.monotonic()
+    results = reduce_all(others, inputs, step=0)
+    elapsed = time.monotonic() - start
+
+    assert elapsed < 10 * timeout, f"blocked for {elapsed:.1f} s"
+    assert 3 in peers[0].membership.alive()
+    expected, coverage = reference(silent.grid, inputs, [0, 1], absent=[3])
+    for rank, (result, stats) in results.items():
+        torch.testing.assert_close(result, expected[rank])
+        assert stats.coverage == pytest.approx(coverage[rank].item())
+        assert (3 in stats.peers_missing) == any(3 in r.group for r in stats.rounds)
+        assert all(3 not in r.present for r in stats.rounds)
+    # What the others sent it for step 0 is stale now: step 1 with everyone is exact again.
+    results = reduce_all(peers, inputs, step=1)
+    for result, stats in results.values():
+        torch.testing.assert_close(result, inputs.mean(0))
+        assert stats.peers_missing == ()
+
+
+def test_leave_and_rejoin_pulls_state_and_takes_part(swarm):
+    peers = swarm(4)
+    inputs = torch.randn(4, NUMEL)
+    reduce_all(peers, inputs, step=0)
+    peers.pop(2).close()
+    poll(lambda: all(2 not in peer.membership.alive() for peer in peers.values()),
+         "the others see rank 2 gone")
+    inputs = torch.randn(4, NUMEL)
+    step1 = reduce_all(peers, inputs, step=1)
+    assert all(2 in stats.peers_missing for _, stats in (step1[0], step1[3]))
+
+    peers[2] = swarm(4, ranks=[2])[2]  # a new process of rank 2 would do the same
+    state = peers[2].pull_state()
+
+    neighbour = peers[2].grid.group(2, 0)[1]  # rank 3, its group in round 0
+    assert state is not None
+    torch.testing.assert_close(state, step1[neighbour][0], rtol=0, atol=0)
+    incarnation = peers[2].incarnation
+    poll(lambda: all(peer.membership.alive().get(2, Member(2, -1, ("", 0))).incarnation
+                     == incarnation for peer in peers.values()),
+         "the others see rank 2's new incarnation")
+    inputs = torch.randn(4, NUMEL)
+    for result, stats in reduce_all(peers, inputs, step=2).values():
+        torch.testing.assert_close(result, inputs.mean(0))
+        assert stats.peers_missing == ()
+
+
+def test_pull_state_is_none_before_anyone_averaged(swarm):
+    peers = swarm(2)
+    assert peers[1].pull_state() is None
+
+
+def test_heartbeats_decide_who_is_alive(store):
+    observer = Membership(0, 3, store, heartbeat=0.05, expiry=0.3)
+    crashed = Membership(1, 3, store, heartbeat=3600)  # beats once, then never again: a crash
+    beating = Membership(2, 3, store, heartbeat=0.05)
+    try:
+        observer.register(Member(0, 10, ("127.0.0.1", 1)))
+        crashed.register(Member(1, 11, ("127.0.0.1", 2)))
+        beating.register(Member(2, 12, ("127.0.0.1", 3)))
+        poll(lambda: set(observer.alive()) == {0, 1, 2}, "everyone registered is alive")
+        assert observer.alive()[2] == Member(2, 12, ("127.0.0.1", 3))
+
+        poll(lambda: 1 not in observer.alive(), "the silent member expires")
+        assert 2 in observer.alive(), "a member that beats must not expire"
+        beating.close()
+        poll(lambda: 2 not in observer.alive(), "a member that left is gone")
+    finally:
+        for membership in (observer, crashed, beating):
+            membership.close()
+
+
+def test_member_decoding_rejects_garbage():
+    member = Member(3, 77, ("198.18.0.4", 4242))
+    assert Member.decode(3, member.encode()) == member
+    for text in ("", "left", "1 2", "x 198.18.0.4 1", "1 h p"):
+        assert Member.decode(3, text) is None
+
+
+def test_close_is_idempotent_and_leaves_nothing_behind(swarm):
+    peers = swarm(2)
+    reduce_all(peers, torch.randn(2, 1000), step=0)
+    address = peers[0].address
+
+    for peer in peers.values():
+        peer.close()
+        peer.close()
+
+    assert [t.name for t in threading.enumerate() if t.name.startswith("moshpit")] == []
+    with pytest.raises(ConnectionRefusedError), socket.create_connection(address, timeout=1):
+        pass
+    with pytest.raises(RuntimeError, match="closed"):
+        peers[0].allreduce(torch.zeros(3), 1)
+
+
+def test_what_the_wire_cannot_carry_is_refused_before_sending(swarm):
+    peers = swarm(2)
+    with pytest.raises(ValueError, match="dtype"):
+        peers[0].allreduce(torch.zeros(3, dtype=torch.float64), 0)
+    with pytest.raises(ValueError, match="step"):
+        peers[0].allreduce(torch.zeros(3), -1)
+
+
+def test_demo_peer_prints_a_line_per_step(capsys):
+    assert main(["--rank", "0", "--world", "1", "--store", "127.0.0.1:0", "--serve-store",
+                 "--steps", "2", "--numel", "10", "--heartbeat", "0.1"]) == 0
+
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [line["step"] for line in lines] == [0, 1]
+    for line in lines:
+        expected = demo_input(0, line["step"], 10)
+        assert line["head"] == pytest.approx(expected[:4].tolist())
+        assert math.isclose(line["sum"], expected.double().sum().item(), rel_tol=1e-6)
+        assert line["missing"] == [] and line["coverage"] == 1.0
