@@ -14,6 +14,7 @@ from functools import partial
 
 import pytest
 import torch
+from concurrently import concurrently
 
 from testbed.collectives.base import Collective
 from testbed.collectives.grid import Grid
@@ -22,27 +23,6 @@ from testbed.collectives.moshpit import Moshpit, MoshpitStats, demo_input, main
 
 NUMEL = 100_000
 WAIT = 10.0  # seconds any bounded poll may take before the test fails
-
-
-def together(*calls: Callable[[], object]) -> list[object]:
-    """Run the calls at once in threads; their results in order, or the first error."""
-    results: list[object] = [None] * len(calls)
-    errors: list[BaseException] = []
-
-    def run(index: int) -> None:
-        try:
-            results[index] = calls[index]()
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if errors:
-        raise errors[0]
-    return results
 
 
 def poll(condition: Callable[[], bool], what: str) -> None:
@@ -70,7 +50,7 @@ def swarm(store) -> Iterator[Callable[..., dict[int, Moshpit]]]:
     def start(world: int, ranks: Iterable[int] | None = None, **options) -> dict[int, Moshpit]:
         options = {"group_size": 2, "timeout": 1.0, "heartbeat": 0.1, "expiry": 2.0, **options}
         ranks = list(range(world) if ranks is None else ranks)
-        peers = together(*(partial(Moshpit, rank, world, store=store, serve_store=False,
+        peers = concurrently(*(partial(Moshpit, rank, world, store=store, serve_store=False,
                                    **options) for rank in ranks))
         made.extend(peers)
         return dict(zip(ranks, peers, strict=True))
@@ -84,7 +64,7 @@ def reduce_all(
     peers: dict[int, Moshpit], inputs: torch.Tensor, step: int
 ) -> dict[int, tuple[torch.Tensor, MoshpitStats]]:
     ranks = list(peers)
-    results = together(*(partial(peers[r].allreduce, inputs[r], step) for r in ranks))
+    results = concurrently(*(partial(peers[r].allreduce, inputs[r], step) for r in ranks))
     return dict(zip(ranks, results, strict=True))
 
 
@@ -130,7 +110,7 @@ def test_one_round_averages_exactly_within_groups(swarm):
     peers = swarm(4)
     inputs = torch.randn(4, NUMEL)
 
-    results = together(*(partial(peers[r].average_round, inputs[r], 1) for r in range(4)))
+    results = concurrently(*(partial(peers[r].average_round, inputs[r], 1) for r in range(4)))
 
     grid = peers[0].grid
     expected, _ = reference(grid, inputs, [1])

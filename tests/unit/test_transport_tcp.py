@@ -4,12 +4,12 @@ who waited for whom and for what."""
 from __future__ import annotations
 
 import socket
-import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from concurrently import concurrently
 
 from testbed.transport import (
     Kind,
@@ -27,28 +27,6 @@ LOOPBACK = ("127.0.0.1", 0)
 WAIT = 10.0
 
 
-def in_threads(*calls: Callable[[], object]) -> list[object]:
-    """Run the calls at once; their results in order, or the first exception raised."""
-    results: list[object] = [None] * len(calls)
-    errors: list[BaseException] = []
-
-    def run(index: int) -> None:
-        try:
-            results[index] = calls[index]()
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(WAIT)
-        assert not thread.is_alive(), "a call did not finish within its own time limits"
-    if errors:
-        raise errors[0]
-    return results
-
-
 @pytest.fixture
 def mesh() -> Iterator[Callable[..., list[StreamMesh]]]:
     opened: list[StreamMesh] = []
@@ -56,7 +34,7 @@ def mesh() -> Iterator[Callable[..., list[StreamMesh]]]:
     def build(world: int, congestion: str | None = None) -> list[StreamMesh]:
         listeners = [Listener(LOOPBACK, congestion=congestion) for _ in range(world)]
         addresses = {rank: listener.address for rank, listener in enumerate(listeners)}
-        meshes = in_threads(*[
+        meshes = concurrently(*[
             lambda rank=rank: StreamMesh.open(rank, listeners[rank], addresses, run_id=RUN,
                                               timeout=WAIT)
             for rank in range(world)
@@ -83,7 +61,7 @@ def test_tensors_arrive_exactly(mesh, dtype):
     a, b = mesh(2)
     tensor = (torch.randn(2_000_000, generator=torch.Generator().manual_seed(3)) * 50).to(dtype)
     out = torch.empty_like(tensor)
-    _, received = in_threads(
+    _, received = concurrently(
         lambda: a[1].send_tensor(tensor, kind=Kind.GRADIENT, step=4, bucket=2, timeout=WAIT),
         lambda: b[0].recv_tensor(kind=Kind.GRADIENT, step=4, bucket=2, timeout=WAIT, out=out),
     )
@@ -171,7 +149,7 @@ def test_congestion_control_is_chosen_per_socket(mesh):
 
 def test_tcp_info_reads_the_kernels_figures(mesh):
     a, b = mesh(2)
-    in_threads(
+    concurrently(
         lambda: a[1].send_tensor(torch.zeros(100_000), kind=Kind.PARAMETER, step=0, bucket=0,
                                  timeout=WAIT),
         lambda: b[0].recv_tensor(kind=Kind.PARAMETER, step=0, bucket=0, timeout=WAIT),
