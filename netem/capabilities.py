@@ -15,6 +15,7 @@ import shutil
 import subprocess
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 
 from pyroute2 import NetNS, netns
 from pyroute2.netlink.exceptions import NetlinkError
@@ -93,7 +94,7 @@ def _probe_kernel() -> tuple[dict[str, bool], dict[str, str]]:
     if os.geteuid() != 0:
         details.update(dict.fromkeys(KERNEL_FEATURES, "not tried: needs root"))
         return found, details
-    name = f"{NETNS_PREFIX}{secrets.token_hex(4)}"
+    name = f"{NETNS_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
     try:
         netns.create(name)
     except OSError as exc:
@@ -105,8 +106,25 @@ def _probe_kernel() -> tuple[dict[str, bool], dict[str, str]]:
             _probe_tc(ns, found, details)
         _probe_nft(name, found, details)
     finally:
-        netns.remove(name)
+        with contextlib.suppress(FileNotFoundError):
+            netns.remove(name)
     return found, details
+
+
+def remove_orphan_probes() -> list[str]:
+    """Delete the namespaces of probes whose process is gone (a probe runs for a second; one
+    left behind was killed mid-way). A running probe's namespace is left alone."""
+    removed = []
+    for name in netns.listnetns():
+        if not name.startswith(NETNS_PREFIX):
+            continue
+        pid = name.removeprefix(NETNS_PREFIX).partition("-")[0]
+        if pid.isdigit() and Path(f"/proc/{pid}").exists():
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            netns.remove(name)
+            removed.append(name)
+    return removed
 
 
 def _probe_tc(ns: NetNS, found: dict[str, bool], details: dict[str, str]) -> None:

@@ -24,20 +24,15 @@ def clean() -> None:
     """Remove what a killed run left: its namespaces (with veths, ifbs, nft tables) and processes.
 
     Only names with the testbed's prefixes are touched: labs (`tb…-h…`, `tb…-sw`), capability
-    probes (`tbcap-…`) and the work directories of guests that are no longer running.
+    probes (`tbcap-PID-…`) and the work directories of guests, each only once its owner is gone.
     """
-    from pyroute2 import netns
     from rich.console import Console
 
-    from netem.capabilities import NETNS_PREFIX
+    from netem.capabilities import remove_orphan_probes
     from netem.lab import remove_namespaces
     from testbed.sandbox import remove_stale_workdirs
 
-    removed = remove_namespaces(orphans_only=True)
-    for name in netns.listnetns():
-        if name.startswith(NETNS_PREFIX):
-            netns.remove(name)
-            removed.append(name)
+    removed = remove_namespaces(orphans_only=True) + remove_orphan_probes()
     stale = remove_stale_workdirs()
     listing = f": {', '.join(removed)}" if removed else ""
     console = Console()

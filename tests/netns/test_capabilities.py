@@ -4,6 +4,8 @@ what a kernel without netem must still offer for the fallback."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import secrets
 import shutil
 import subprocess
@@ -21,6 +23,7 @@ from netem.capabilities import (
     detect,
     netem_available,
     probe_kernel,
+    remove_orphan_probes,
 )
 from testbed.cli import app
 
@@ -97,6 +100,20 @@ def test_probing_leaves_no_namespace_behind():
     found, _ = probe_kernel(refresh=True)
     assert found["netns"]
     assert [n for n in netns.listnetns() if n.startswith(NETNS_PREFIX)] == []
+
+
+def test_clean_removes_only_probes_whose_process_is_gone():
+    # 999999999 is above any pid_max, so no process can own the first one.
+    orphan, live = f"{NETNS_PREFIX}999999999-dead", f"{NETNS_PREFIX}{os.getpid()}-live"
+    for name in (orphan, live):
+        netns.create(name)
+    try:
+        assert remove_orphan_probes() == [orphan]
+        assert live in netns.listnetns() and orphan not in netns.listnetns()
+    finally:
+        for name in (orphan, live):
+            with contextlib.suppress(FileNotFoundError):
+                netns.remove(name)
 
 
 def test_results_are_cached_per_process():
