@@ -45,7 +45,7 @@ class Part:
 
 
 HOST_PART = Part(
-    "host kernel (nftables loss + htb rate)",
+    "fallback (nft loss, htb rate)",
     "fallback",
     (
         DemoLink(1, LinkProfile.parse(loss="10%", rate="20mbit")),
@@ -53,7 +53,7 @@ HOST_PART = Part(
     ),
 )
 NETEM_PART = Part(
-    "netem kernel",
+    "netem",
     "netem",
     (
         DemoLink(
