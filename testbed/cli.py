@@ -238,7 +238,14 @@ def shape(
 
     from pyroute2.netlink.exceptions import NetlinkError
 
-    from netem.backend import ShapingError, change, clear, resolve_backend, show
+    from netem.backend import (
+        ShapingError,
+        UnsupportedByKernel,
+        change,
+        clear,
+        resolve_backend,
+        show,
+    )
     from netem.plan import build_plan, parse_source, render_commands, source_key
     from netem.profile import LinkProfile, ProfileError
 
@@ -270,7 +277,10 @@ def shape(
                            "netem backend (--backend fallback shows the other)", err=True)
             chosen = "netem" if unprobed else resolve_backend(backend)
             plan = build_plan(iface, {key: profile}, direction=direction, backend=chosen)
-    except (ProfileError, ValueError) as exc:  # UnsupportedByKernel is a ProfileError
+    except UnsupportedByKernel as exc:
+        hint = "\n(--backend netem --dry-run prints the netem commands)" if dry_run else ""
+        raise fail(f"{exc}{hint}", 2) from None
+    except (ProfileError, ValueError) as exc:
         raise fail(exc, 2) from None
     if dry_run:
         commands = render_commands(plan, netns)
