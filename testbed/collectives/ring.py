@@ -1,0 +1,111 @@
+"""The reliable ring all-reduce over TCP: the baseline every other collective is measured by.
+
+Reduce-scatter then all-gather around the ring (send to rank+1, receive from rank-1): each
+worker sends 2(N-1)/N of the tensor, the bandwidth optimum. TCP retransmits what the link
+loses, so the result is exact and loss shows up as time.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from testbed.collectives.base import AllReduceStats
+from testbed.transport.tcp import Listener, StreamMesh
+from testbed.transport.wire import Kind
+
+BUCKETS = 1 << 16  # the frame header's bucket field: calls are numbered modulo this
+
+
+class Ring:
+    """Worker `rank`'s end of a ring of `world` workers listening at `addresses[rank]`."""
+
+    name = "ring"
+
+    def __init__(
+        self,
+        rank: int,
+        world: int,
+        *,
+        addresses: Sequence[tuple[str, int]],
+        run_id: int = 0,
+        timeout: float = 30.0,
+        congestion: str | None = None,
+        listener: Listener | None = None,
+    ) -> None:
+        """`listener`, if given, is this rank's already bound socket (then `addresses[rank]` is
+        its address): binding first lets port 0 pick free ports before the addresses are shared."""
+        if not 0 <= rank < world:
+            raise ValueError(f"rank: expected 0..{world - 1}, got {rank}")
+        if len(addresses) != world:
+            raise ValueError(f"addresses: expected one per rank ({world}), got {len(addresses)}")
+        self.rank, self.world, self.timeout = rank, world, timeout
+        self.left, self.right = (rank - 1) % world, (rank + 1) % world
+        self._calls = 0
+        self._listener = listener or Listener(tuple(addresses[rank]), congestion=congestion)
+        try:
+            peers = {self.left, self.right} - {rank}
+            self._mesh = StreamMesh.open(
+                rank, self._listener, dict(enumerate(addresses)), run_id=run_id, peers=peers,
+                timeout=timeout,
+            )
+        except BaseException:
+            self._listener.close()
+            raise
+        # Sends run beside the receives: two workers blocked sending to each other would
+        # otherwise deadlock once their socket buffers fill.
+        self._sender = ThreadPoolExecutor(1, thread_name_prefix=f"ring-{rank}-send")
+
+    def allreduce(self, tensor: torch.Tensor, step: int) -> tuple[torch.Tensor, AllReduceStats]:
+        started = time.monotonic()
+        before = self._bytes()
+        flat = tensor.detach().reshape(-1).clone()
+        if self.world > 1:
+            bucket = self._calls % BUCKETS
+            self._calls += 1
+            chunks = torch.tensor_split(flat, self.world)
+            incoming = torch.empty(max(c.numel() for c in chunks), dtype=flat.dtype)
+            for i in range(self.world - 1):  # reduce-scatter
+                send, recv = (self.rank - i) % self.world, (self.rank - i - 1) % self.world
+                received = self._exchange(chunks[send], incoming[: chunks[recv].numel()],
+                                          step, bucket)
+                chunks[recv].add_(received)
+            for i in range(self.world - 1):  # all-gather: each chunk travels on, complete
+                send, recv = (self.rank + 1 - i) % self.world, (self.rank - i) % self.world
+                self._exchange(chunks[send], chunks[recv], step, bucket)
+            flat.div_(self.world)
+        sent, received = (now - then for now, then in zip(self._bytes(), before, strict=True))
+        stats = AllReduceStats(
+            self.name, step, seconds=time.monotonic() - started, bytes_sent=sent,
+            bytes_received=received,
+            extra={"tcp_retransmits": float(sum(
+                c.tcp_retransmits for c in self._mesh.counters().values()
+            ))},
+        )
+        return flat.view_as(tensor), stats
+
+    def _exchange(
+        self, outgoing: torch.Tensor, into: torch.Tensor, step: int, bucket: int
+    ) -> torch.Tensor:
+        """Send `outgoing` to the right while receiving the left neighbour's piece into `into`."""
+        sending = self._sender.submit(
+            self._mesh[self.right].send_tensor, outgoing, kind=Kind.GRADIENT, step=step,
+            bucket=bucket, timeout=self.timeout,
+        )
+        received = self._mesh[self.left].recv_tensor(
+            kind=Kind.GRADIENT, step=step, bucket=bucket, timeout=self.timeout, out=into
+        )
+        sending.result()
+        return received
+
+    def _bytes(self) -> tuple[int, int]:
+        counters = self._mesh.counters().values()
+        return sum(c.bytes_sent for c in counters), sum(c.bytes_received for c in counters)
+
+    def close(self) -> None:
+        self._sender.shutdown(wait=True)
+        self._mesh.close()
+        self._listener.close()
