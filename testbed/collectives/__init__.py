@@ -14,6 +14,7 @@ from testbed.collectives.base import AllReduceStats, Collective
 # kind -> "module:class"; modules load on first use (torch.distributed, threads, sockets).
 KINDS = {
     "ring": "testbed.collectives.ring:Ring",
+    "gloo": "testbed.collectives.gloo:Gloo",
     "moshpit": "testbed.collectives.moshpit:Moshpit",
 }
 

@@ -81,8 +81,44 @@ def test_ddp_gradients_through_the_ring_hook_equal_plain_ddp():
 
 
 def test_unknown_kind_and_option_name_what_is_allowed():
-    with pytest.raises(ValueError, match=r"collective\.kind: expected one of ring, moshpit"):
+    allowed = r"collective\.kind: expected one of ring, gloo, moshpit"
+    with pytest.raises(ValueError, match=allowed):
         create("carrier-pigeon", 0, 2)
     with pytest.raises(ValueError, match=r"collective\.adresses: not an option of 'ring'; "
                                          r"allowed: addresses, run_id, timeout"):
         create("ring", 0, 2, adresses=[])
+
+
+def gloo_and_ring_worker(rank: int, ports: list[int], results) -> None:
+    torch.set_num_threads(1)
+    data = torch.randn(50_001, generator=torch.Generator().manual_seed(rank))
+    gloo = create("gloo", rank, WORLD, master=("127.0.0.1", ports[0]), timeout=30)
+    ring = create("ring", rank, WORLD, addresses=[("127.0.0.1", p) for p in ports[1:]],
+                  timeout=30)
+    try:
+        (by_gloo, stats), (by_ring, _) = gloo.allreduce(data, 0), ring.allreduce(data, 0)
+        results.put((rank, stats.collective, by_gloo.numpy(), by_ring.numpy()))
+    finally:
+        ring.close()
+        gloo.close()
+
+
+def test_gloo_equals_ring_and_the_true_mean():
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    ports = free_ports(WORLD + 1)
+    processes = [context.Process(target=gloo_and_ring_worker, args=(r, ports, results))
+                 for r in range(WORLD)]
+    for process in processes:
+        process.start()
+    collected = [results.get(timeout=60) for _ in range(WORLD)]
+    for process in processes:
+        process.join(30)
+        assert process.exitcode == 0
+    expected = torch.stack([
+        torch.randn(50_001, generator=torch.Generator().manual_seed(r)) for r in range(WORLD)
+    ]).mean(0)
+    for _, name, by_gloo, by_ring in collected:
+        assert name == "gloo"
+        torch.testing.assert_close(torch.from_numpy(by_gloo), expected)
+        torch.testing.assert_close(torch.from_numpy(by_ring), torch.from_numpy(by_gloo))
