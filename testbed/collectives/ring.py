@@ -61,7 +61,7 @@ class Ring:
 
     def allreduce(self, tensor: torch.Tensor, step: int) -> tuple[torch.Tensor, AllReduceStats]:
         started = time.monotonic()
-        before = self._bytes()
+        before = self._totals()
         flat = tensor.detach().reshape(-1).clone()
         if self.world > 1:
             bucket = self._calls % BUCKETS
@@ -77,13 +77,11 @@ class Ring:
                 send, recv = (self.rank + 1 - i) % self.world, (self.rank - i) % self.world
                 self._exchange(chunks[send], chunks[recv], step, bucket)
             flat.div_(self.world)
-        sent, received = (now - then for now, then in zip(self._bytes(), before, strict=True))
+        after = self._totals()
         stats = AllReduceStats(
-            self.name, step, seconds=time.monotonic() - started, bytes_sent=sent,
-            bytes_received=received,
-            extra={"tcp_retransmits": float(sum(
-                c.tcp_retransmits for c in self._mesh.counters().values()
-            ))},
+            self.name, step, seconds=time.monotonic() - started,
+            bytes_sent=after[0] - before[0], bytes_received=after[1] - before[1],
+            extra={"tcp_retransmits": float(after[2])},
         )
         return flat.view_as(tensor), stats
 
@@ -101,9 +99,15 @@ class Ring:
         sending.result()
         return received
 
-    def _bytes(self) -> tuple[int, int]:
+    def _totals(self) -> tuple[int, int, int]:
+        """Bytes sent, bytes received and TCP retransmits (since the streams opened) of the
+        ring's sockets, from one read of their counters."""
         counters = self._mesh.counters().values()
-        return sum(c.bytes_sent for c in counters), sum(c.bytes_received for c in counters)
+        return (
+            sum(c.bytes_sent for c in counters),
+            sum(c.bytes_received for c in counters),
+            sum(c.tcp_retransmits for c in counters),
+        )
 
     def close(self) -> None:
         self._sender.shutdown(wait=True)
