@@ -49,6 +49,9 @@ class Lab:
     subnet: str = DEFAULT_SUBNET
     mtu: int = 1500
     hosts: list[Host] = field(default_factory=list, init=False)
+    # pyroute2 forks helpers that carry a copy of this object; a copy that unwinds (a signal in
+    # the helper) must not tear down the lab under its builder, so only the builder closes it.
+    _builder: int = field(default=0, init=False, repr=False)
 
     @property
     def switch(self) -> str:
@@ -66,6 +69,7 @@ class Lab:
         self.close()
 
     def start(self) -> None:
+        self._builder = os.getpid()
         network = ipaddress.ip_network(self.subnet)
         if self.size < 1 or self.size > network.num_addresses - 2:
             raise ValueError(f"size: a lab on {self.subnet} holds 1..{network.num_addresses - 2}")
@@ -118,6 +122,8 @@ class Lab:
         return subprocess.Popen(["ip", "netns", "exec", host.netns, *argv], **kwargs)
 
     def close(self) -> None:
+        if self._builder != os.getpid():
+            return
         remove_namespaces(self.prefix)
         (OWNERS / self.prefix).unlink(missing_ok=True)
         self.hosts.clear()

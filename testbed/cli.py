@@ -408,13 +408,22 @@ _T = TypeVar("_T")
 def _sandbox_call(call: Callable[[], _T]) -> _T:
     """Turn the sandbox's errors into a message and an exit code (124 on timeout, like
     `timeout`), not a traceback."""
+    import os
     import signal
     import sys
 
     from testbed.sandbox import GuestTimeout, SandboxError
 
-    # SIGTERM (a CI timeout, `kill`) unwinds like Ctrl-C, so the guest and its files go too.
-    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    caller = os.getpid()
+
+    def on_sigterm(*_: object) -> None:
+        # SIGTERM (a CI timeout, `kill`) unwinds like Ctrl-C, so the guest and its files go too;
+        # a forked helper holding a copy of this stack just ends, leaving the clean-ups to us.
+        if os.getpid() != caller:
+            os._exit(143)
+        sys.exit(143)
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
     try:
         return call()
     except GuestTimeout as exc:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -31,6 +32,22 @@ def test_close_removes_every_namespace():
         prefix = lab.prefix
         assert lab_namespaces(prefix)
     assert lab_namespaces(prefix) == []
+
+
+def test_a_forked_copy_of_the_builder_does_not_tear_the_lab_down(make_lab):
+    """pyroute2 forks helpers holding a copy of the caller's stack; if one unwinds (a signal),
+    the lab's clean-up runs in the copy and must leave the builder's lab alone."""
+    lab = make_lab(2)
+    child = os.fork()
+    if child == 0:
+        try:
+            lab.close()
+        finally:
+            os._exit(0)
+    os.waitpid(child, 0)
+    assert len(lab_namespaces(lab.prefix)) == 3, "a forked copy removed the builder's lab"
+    ping = lab.run(lab.hosts[0], ["ping", "-c", "1", "-W", "2", lab.hosts[1].address])
+    assert ping.returncode == 0, ping.stdout + ping.stderr
 
 
 def test_clean_removes_a_killed_run_and_nothing_else(make_lab):
