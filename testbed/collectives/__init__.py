@@ -16,6 +16,7 @@ KINDS = {
     "ring": "testbed.collectives.ring:Ring",
     "gloo": "testbed.collectives.gloo:Gloo",
     "moshpit": "testbed.collectives.moshpit:Moshpit",
+    "lossy": "testbed.collectives.lossy:Lossy",
 }
 
 

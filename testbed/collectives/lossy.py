@@ -1,0 +1,431 @@
+"""The lossy all-reduce (after Weintraub, Banner and Orda, "Distributed Training under Packet
+Loss"): gradients and parameters travel as datagrams, and nobody waits for what was lost.
+
+The flat tensor is cut into `world` shards (`torch.tensor_split`, as the ring does); rank k owns
+shard k. One call has two phases:
+
+1. gather: every worker sends its slice of shard k to owner k as datagrams. The owner waits
+   until all of them came or its adaptive deadline passed, then takes per chunk the mean of the
+   contributions that came (its own always does): `estimate.ChunkAccumulator`.
+2. broadcast: the owner sends its result to every worker as datagrams: the averaged shard
+   (`allreduce`) or the fresh parameters its optimizer made from it (`step`), with each
+   chunk's contribution count appended so receivers know their coverage. A worker that misses
+   a chunk keeps its own value there (its gradient, or its stale parameters) until a later
+   broadcast overwrites it: copies lag where broadcasts were lost, they never diverge.
+
+Every `resync_every`-th step the broadcast goes over TCP instead, so all copies equal the
+owners' again. Each phase learns its own deadline (`estimate.AdaptiveDeadline`) from when its
+last chunk came in recent calls; a call that has everything in hand ends at once.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from testbed.collectives.base import AllReduceStats
+from testbed.collectives.estimate import AdaptiveDeadline, ChunkAccumulator
+from testbed.transport.tcp import Listener, StreamMesh
+from testbed.transport.tensors import codec_of
+from testbed.transport.udp import Chunk, DatagramEndpoint, expected_chunks, place
+from testbed.transport.wire import Kind
+
+BUCKETS = 1 << 32  # the datagram header's bucket field: calls are numbered modulo this
+
+# The owner's optimizer on its shard: (start in the flat vector, current parameters of the
+# shard, averaged gradient of the shard) -> new parameters of the shard.
+Update = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class SeededLoss:
+    """A deterministic test loss model, for unit tests of the numerics only: the receiver
+    discards the chunks that a generator seeded by (seed, kind, step, bucket, sender, receiver)
+    picks, each with probability `rate`, after the transport delivered them. Real runs lose
+    packets on shaped links instead, and never use this."""
+
+    rate: float
+    seed: int = 0
+    kinds: frozenset[Kind] = frozenset({Kind.GRADIENT, Kind.PARAMETER})
+
+    def lost(
+        self, kind: Kind, step: int, bucket: int, sender: int, receiver: int, chunks: int
+    ) -> np.ndarray:
+        """Which of the `chunks` chunks of one sender's tensor are discarded (a bool each)."""
+        if kind not in self.kinds:
+            return np.zeros(chunks, dtype=bool)
+        seed = [self.seed, int(kind), step, bucket, sender, receiver]
+        return np.random.default_rng(seed).random(chunks) < self.rate
+
+
+@dataclass
+class LossyStats(AllReduceStats):
+    """AllReduceStats with what the datagrams did in this call. `coverage` counts, per element
+    of the result, the owner's contribution count where its broadcast came, and where it was
+    missed 1 (the own value, `allreduce`) or 0 (stale parameters, `step`). `chunk_coverage`:
+    per chunk of this worker's own shard, the fraction of workers whose contribution came in
+    time. Per peer, both phases: `missing` chunks that had not come by the deadline (lost,
+    late, malformed or discarded by a test loss model), `late` datagrams that came after their
+    call had closed (the deadline was too short), `lost` datagrams that the peer's sequence
+    numbers say never came (the transport's count, whatever dropped them)."""
+
+    chunk_coverage: torch.Tensor = field(default_factory=lambda: torch.ones(1))
+    missing: dict[int, int] = field(default_factory=dict)
+    late: dict[int, int] = field(default_factory=dict)
+    lost: dict[int, int] = field(default_factory=dict)
+
+
+class Lossy:
+    """Worker `rank`'s end of the lossy all-reduce among `world` workers; its datagrams go to
+    and from `addresses[rank]` (numeric addresses, one per rank)."""
+
+    name = "lossy"
+
+    def __init__(
+        self,
+        rank: int,
+        world: int,
+        *,
+        addresses: Sequence[tuple[str, int]],
+        run_id: int = 0,
+        mtu: int = 1500,
+        rate: float | None = None,
+        rcvbuf: int = 8 << 20,
+        deadline_initial: float = 1.0,
+        deadline_floor: float = 0.005,
+        deadline_ceiling: float = 5.0,
+        resync_every: int = 0,
+        stream_addresses: Sequence[tuple[str, int]] | None = None,
+        congestion: str | None = None,
+        timeout: float = 30.0,
+        endpoint: DatagramEndpoint | None = None,
+        listener: Listener | None = None,
+        test_loss: SeededLoss | None = None,
+    ) -> None:
+        """`mtu` sizes the datagrams and `rate` (bits/s) paces them (None: unpaced). With
+        `resync_every` N > 0, every step whose number + 1 is a multiple of N broadcasts over
+        TCP at `stream_addresses` (default: `addresses`; TCP ports are apart from UDP's), with
+        `congestion` control and `timeout` per message. `endpoint` and `listener`, if given,
+        are this rank's already bound sockets (then they are at `addresses[rank]` and
+        `stream_addresses[rank]`) and are closed with this object. `test_loss` is for tests."""
+        if not 0 <= rank < world:
+            raise ValueError(f"rank: expected 0..{world - 1}, got {rank}")
+        stream_addresses = addresses if stream_addresses is None else stream_addresses
+        for name, given in (("addresses", addresses), ("stream_addresses", stream_addresses)):
+            if len(given) != world:
+                raise ValueError(f"{name}: expected one per rank ({world}), got {len(given)}")
+        if not 0 < deadline_floor <= deadline_initial <= deadline_ceiling:
+            raise ValueError(
+                f"deadline_initial: needs 0 < deadline_floor <= deadline_initial <= "
+                f"deadline_ceiling, got {deadline_floor}, {deadline_initial}, {deadline_ceiling}"
+            )
+        if resync_every < 0:
+            raise ValueError(f"resync_every: expected 0 (never) or more, got {resync_every}")
+        self.rank, self.world, self.timeout = rank, world, timeout
+        self.resync_every, self.test_loss = resync_every, test_loss
+        # Peers in the order of the rounds: at round i a worker sends to rank + i and hears
+        # from rank - i, so reliable broadcasts pair up and never wait on each other.
+        self.peers = [(rank + i) % world for i in range(1, world)]
+        self.gather_deadline, self.broadcast_deadline = (
+            AdaptiveDeadline(floor=deadline_floor, ceiling=deadline_ceiling,
+                             initial=deadline_initial)
+            for _ in range(2)
+        )
+        self._calls = 0
+        self._mesh: StreamMesh | None = None
+        self._listener = listener
+        self._sender: ThreadPoolExecutor | None = None
+        self.endpoint = endpoint or DatagramEndpoint(rank, run_id, tuple(addresses[rank]),
+                                                     mtu=mtu, rate=rate, rcvbuf=rcvbuf)
+        try:
+            for peer in self.peers:
+                self.endpoint.add_peer(peer, tuple(addresses[peer]))
+            if resync_every:
+                self._listener = listener or Listener(tuple(stream_addresses[rank]),
+                                                      congestion=congestion)
+                self._mesh = StreamMesh.open(rank, self._listener, dict(enumerate(
+                    stream_addresses)), run_id=run_id, timeout=timeout)
+                self._sender = ThreadPoolExecutor(1, thread_name_prefix=f"lossy-{rank}-send")
+        except BaseException:
+            self.close()
+            raise
+
+    def allreduce(self, tensor: torch.Tensor, step: int) -> tuple[torch.Tensor, LossyStats]:
+        """The average of `tensor` over the workers, as this worker got it: where a broadcast
+        chunk was missed, its own value stands in (coverage says how much of that there is)."""
+        flat = tensor.detach().reshape(-1)
+        result, stats = self._exchange(flat, flat, step, None)
+        return result.view_as(tensor), stats
+
+    def step(
+        self, parameters: torch.Tensor, gradient: torch.Tensor, step: int, update: Update
+    ) -> tuple[torch.Tensor, LossyStats]:
+        """One sharded optimizer step on flat vectors: each owner averages its shard of
+        `gradient`, calls `update(start, parameters[shard], averaged)` for its new parameters and
+        broadcasts them. Returns this worker's new parameter vector: stale where it missed a
+        broadcast chunk, which the next broadcast overwrites."""
+        if parameters.shape != gradient.shape or parameters.dim() != 1:
+            raise ValueError(f"step: needs flat parameters and gradient of one shape, got "
+                             f"{tuple(parameters.shape)} and {tuple(gradient.shape)}")
+        return self._exchange(gradient.detach(), parameters.detach(), step, update)
+
+    def close(self) -> None:
+        if self._sender is not None:
+            self._sender.shutdown(wait=True)
+        if self._mesh is not None:
+            self._mesh.close()
+        if self._listener is not None:
+            self._listener.close()
+        self.endpoint.close()
+
+    # -- one call -------------------------------------------------------------------------
+
+    def _exchange(
+        self, contribution: torch.Tensor, fallback: torch.Tensor, step: int,
+        update: Update | None,
+    ) -> tuple[torch.Tensor, LossyStats]:
+        """Gather `contribution`'s shards at their owners, broadcast what the owners make of
+        them (the mean, or `update` of `fallback`'s shard with it) into a copy of `fallback`."""
+        started = time.monotonic()
+        before = self._counters()
+        bucket = self._calls % BUCKETS
+        self._calls += 1
+        chunk_numel = self.endpoint.chunk_numel(codec_of(contribution.dtype))
+        shards = torch.tensor_split(contribution, self.world)
+        sizes = [shard.numel() for shard in shards]
+        starts = [0, *np.cumsum(sizes).tolist()]
+        mine = slice(starts[self.rank], starts[self.rank + 1])
+
+        for peer in self.peers:
+            self.endpoint.send_tensor(peer, Kind.GRADIENT, step, bucket, shards[peer])
+        gather_deadline = self.gather_deadline.seconds
+        accumulator, gather_missing = self._gather(shards[self.rank], step, bucket, chunk_numel,
+                                                   started, gather_deadline)
+        averaged = accumulator.mean()
+        fresh = averaged if update is None else update(starts[self.rank], fallback[mine],
+                                                       averaged)
+        result = fallback.clone()  # where a broadcast chunk is missed, this value stands
+        result[mine] = fresh
+        payload = torch.cat([fresh.to(result.dtype), accumulator.weight.to(result.dtype)])
+
+        reliable = self._mesh is not None and (step + 1) % self.resync_every == 0
+        broadcast_deadline = 0.0 if reliable else self.broadcast_deadline.seconds
+        if reliable:
+            received = self._broadcast_reliably(payload, step, bucket, sizes, chunk_numel)
+        else:
+            received = self._broadcast(payload, step, bucket, sizes, chunk_numel,
+                                       broadcast_deadline)
+        # Per chunk of each shard: how many workers' values are in `result` there.
+        contributions = {self.rank: accumulator.weight}
+        stand_in = 0.0 if update is not None else 1.0  # stale parameters, or the own value
+        typical = accumulator.weight.mean().item()  # for counts that were lost on the way
+        broadcast_missing = {}
+        for owner, (values, arrived) in received.items():
+            contributions[owner], broadcast_missing[owner] = _apply_broadcast(
+                result[starts[owner]:starts[owner + 1]], values, arrived, chunk_numel, stand_in,
+                typical,
+            )
+
+        after = self._counters()
+        elements = sum((weights * _chunk_lengths(sizes[owner], chunk_numel)).sum().item()
+                       for owner, weights in contributions.items())
+        own_coverage = accumulator.weight / self.world
+        shard_coverage = (own_coverage * _chunk_lengths(sizes[self.rank], chunk_numel)).sum()
+        broadcast_chunks = sum(_chunk_count(sizes[owner], chunk_numel) for owner in self.peers)
+        absent = tuple(
+            peer for peer in self.peers
+            if gather_missing[peer] == accumulator.chunks
+            and broadcast_missing[peer] == _chunk_count(sizes[peer], chunk_numel)
+        )
+        missing = {peer: gather_missing[peer] + broadcast_missing[peer] for peer in self.peers}
+        late, lost = _delta(after.late, before.late), _delta(after.lost, before.lost)
+        return result, LossyStats(
+            self.name, step, seconds=time.monotonic() - started,
+            bytes_sent=after.bytes_sent - before.bytes_sent,
+            bytes_received=after.bytes_received - before.bytes_received,
+            coverage=elements / (self.world * max(1, contribution.numel())),
+            peers_missing=absent,
+            extra={
+                "deadline_seconds": gather_deadline,
+                "broadcast_deadline_seconds": broadcast_deadline,
+                "shard_coverage": shard_coverage.item() / max(1, sizes[self.rank]),
+                "broadcast_received": 1.0 - sum(broadcast_missing.values())
+                / max(1, broadcast_chunks),
+                "chunks_missing": float(sum(missing.values())),
+                "datagrams_late": float(sum(late.values())),
+                "datagrams_lost": float(sum(lost.values())),
+                "rcvbuf_drops": float(after.rcvbuf_drops - before.rcvbuf_drops),
+                "resync": float(reliable),
+            },
+            chunk_coverage=own_coverage,
+            missing=missing, late=late, lost=lost,
+        )
+
+    def _gather(
+        self, own: torch.Tensor, step: int, bucket: int, chunk_numel: int, started: float,
+        deadline: float,
+    ) -> tuple[ChunkAccumulator, dict[int, int]]:
+        """This owner's shard: every contribution that came within `deadline` seconds of
+        `started`, per chunk, and how many chunks of each peer's did not."""
+        accumulator = ChunkAccumulator(own.numel(), chunk_numel, dtype=own.dtype)
+        accumulator.add_all(own)
+        arrivals = self._collect(Kind.GRADIENT, step, bucket, dict.fromkeys(self.peers,
+                                 own.numel()), chunk_numel, started, deadline,
+                                 self.gather_deadline)
+        scratch = torch.empty_like(own)
+        missing = {}
+        for peer in self.peers:
+            scratch.zero_()  # chunks that did not come add nothing
+            arrived = _land(arrivals[peer], scratch, chunk_numel)
+            # A partial contribution: its values where it came, a count of 1 for those chunks.
+            accumulator.total.add_(scratch)
+            accumulator.weight += arrived
+            missing[peer] = accumulator.chunks - int(arrived.sum())
+        return accumulator, missing
+
+    def _broadcast(
+        self, payload: torch.Tensor, step: int, bucket: int, sizes: Sequence[int],
+        chunk_numel: int, deadline: float,
+    ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """Send this owner's payload to every peer as datagrams; per other owner, its payload
+        as far as it came within `deadline` seconds, and which of its chunks did."""
+        started = time.monotonic()
+        for peer in self.peers:
+            self.endpoint.send_tensor(peer, Kind.PARAMETER, step, bucket, payload)
+        lengths = {owner: _payload_length(sizes[owner], chunk_numel) for owner in self.peers}
+        arrivals = self._collect(Kind.PARAMETER, step, bucket, lengths, chunk_numel, started,
+                                 deadline, self.broadcast_deadline)
+        received = {}
+        for owner, length in lengths.items():
+            values = torch.empty(length, dtype=payload.dtype)
+            received[owner] = values, _land(arrivals[owner], values, chunk_numel)
+        return received
+
+    def _broadcast_reliably(
+        self, payload: torch.Tensor, step: int, bucket: int, sizes: Sequence[int],
+        chunk_numel: int,
+    ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """The broadcast over TCP: every payload arrives whole, or a TransportError names the
+        peer that failed."""
+        assert self._mesh is not None and self._sender is not None
+        mesh = self._mesh
+
+        def send_all() -> None:
+            for peer in self.peers:
+                mesh[peer].send_tensor(payload, kind=Kind.PARAMETER, step=step, bucket=bucket,
+                                       timeout=self.timeout)
+
+        sending = self._sender.submit(send_all)
+        received = {}
+        for owner in reversed(self.peers):  # round i hears from rank - i
+            length = _payload_length(sizes[owner], chunk_numel)
+            values = mesh[owner].recv_tensor(kind=Kind.PARAMETER, step=step, bucket=bucket,
+                                             timeout=self.timeout,
+                                             out=torch.empty(length, dtype=payload.dtype))
+            received[owner] = values, torch.ones(_chunk_count(length, chunk_numel), dtype=bool)
+        sending.result()
+        return received
+
+    def _collect(
+        self, kind: Kind, step: int, bucket: int, lengths: Mapping[int, int], chunk_numel: int,
+        started: float, deadline: float, learner: AdaptiveDeadline,
+    ) -> dict[int, list[Chunk]]:
+        """Per sender, the chunks of its `lengths[sender]`-element tensor of (kind, step,
+        bucket) that came within `deadline` seconds of `started`, less those a test loss model
+        discards; teaches `learner` when the last one came."""
+        counts = {sender: _chunk_count(length, chunk_numel) for sender, length in lengths.items()}
+        expected = set().union(*(expected_chunks([sender], length, chunk_numel)
+                                 for sender, length in lengths.items()))
+        collected = self.endpoint.collect(kind, step, bucket, expected, started + deadline)
+        if collected.last_arrival is not None:
+            learner.observe(max(0.0, collected.last_arrival - started), collected.late)
+        by_sender: dict[int, list[Chunk]] = {sender: [] for sender in lengths}
+        for chunk in collected.chunks:  # chunked for another length: not ours to place
+            if chunk.count == counts.get(chunk.sender):
+                by_sender[chunk.sender].append(chunk)
+        if self.test_loss is not None:
+            for sender, chunks in by_sender.items():
+                lost = self.test_loss.lost(kind, step, bucket, sender, self.rank, counts[sender])
+                by_sender[sender] = [chunk for chunk in chunks if not lost[chunk.index]]
+        return by_sender
+
+    def _counters(self) -> _Counters:
+        datagrams = self.endpoint.counters()
+        streams = self._mesh.counters() if self._mesh is not None else {}
+        return _Counters(
+            bytes_sent=sum(c.bytes_sent for c in [*datagrams.values(), *streams.values()]),
+            bytes_received=sum(c.bytes_received
+                               for c in [*datagrams.values(), *streams.values()]),
+            late={peer: c.datagrams_late for peer, c in datagrams.items()},
+            lost={peer: c.datagrams_lost for peer, c in datagrams.items()},
+            rcvbuf_drops=self.endpoint.socket_counters().rcvbuf_drops,
+        )
+
+
+@dataclass(frozen=True)
+class _Counters:
+    """The transport's cumulative counters at one moment; a call's figures are differences."""
+
+    bytes_sent: int
+    bytes_received: int
+    late: dict[int, int]
+    lost: dict[int, int]
+    rcvbuf_drops: int
+
+
+def _delta(after: Mapping[int, int], before: Mapping[int, int]) -> dict[int, int]:
+    return {peer: value - before.get(peer, 0) for peer, value in after.items()
+            if value != before.get(peer, 0)}
+
+
+def _chunk_count(numel: int, chunk_numel: int) -> int:
+    """Chunks of a `numel`-element tensor (an empty one still travels as one empty chunk)."""
+    return max(1, math.ceil(numel / chunk_numel))
+
+
+def _chunk_lengths(numel: int, chunk_numel: int) -> torch.Tensor:
+    """Elements in each chunk of a `numel`-element tensor."""
+    lengths = torch.full((_chunk_count(numel, chunk_numel),), chunk_numel, dtype=torch.float64)
+    lengths[-1] = numel - chunk_numel * (len(lengths) - 1)
+    return lengths
+
+
+def _payload_length(numel: int, chunk_numel: int) -> int:
+    """A broadcast of a `numel`-element shard: its values, then one count per chunk."""
+    return numel + _chunk_count(numel, chunk_numel)
+
+
+def _land(chunks: Sequence[Chunk], out: torch.Tensor, chunk_numel: int) -> torch.Tensor:
+    """Copy one sender's chunks into `out` in one scatter; which of out's chunks came."""
+    arrived = torch.zeros(_chunk_count(out.numel(), chunk_numel), dtype=torch.bool)
+    if chunks:
+        fits = place(chunks, out, chunk_numel)
+        index = np.fromiter((chunk.index for chunk in chunks), np.int64, len(chunks))
+        arrived[torch.from_numpy(index[fits])] = True
+    return arrived
+
+
+def _apply_broadcast(
+    target: torch.Tensor, payload: torch.Tensor, arrived: torch.Tensor, chunk_numel: int,
+    stand_in: float, typical: float,
+) -> tuple[torch.Tensor, int]:
+    """Write one owner's broadcast (shard values, then one contribution count per chunk) into
+    its shard of the result where its chunks came; the shard's chunks are the payload's first
+    ones, element for element. Returns the contributions per chunk now in `target`
+    (`stand_in` where the chunk was missed; `typical`, an estimate, where the chunk came but
+    the one carrying its count did not) and how many chunks were missed."""
+    numel = target.numel()
+    count = _chunk_count(numel, chunk_numel)
+    shard_arrived = arrived[:count]
+    elements = shard_arrived.repeat_interleave(chunk_numel)[:numel]
+    target.copy_(torch.where(elements, payload[:numel], target))
+    count_arrived = arrived[(numel + torch.arange(count)) // chunk_numel]
+    weights = torch.where(count_arrived, payload[numel:].to(torch.float64), typical)
+    contributions = torch.where(shard_arrived, weights, stand_in)
+    return contributions, count - int(shard_arrived.sum())

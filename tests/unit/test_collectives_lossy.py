@@ -1,0 +1,222 @@
+"""The lossy all-reduce over real UDP (and TCP for resyncs) on loopback. Loss comes from the
+deterministic test loss model `SeededLoss` (the receiver discards a seeded subset of chunks), so
+the expected numbers can be computed exactly; tests/netns loses real packets. That the per-chunk
+mean is an unbiased estimate is tests/unit/test_estimate.py's concern."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from concurrently import concurrently
+
+from testbed.collectives import create
+from testbed.collectives.base import Collective
+from testbed.collectives.lossy import Lossy, SeededLoss
+from testbed.transport.tcp import Listener
+from testbed.transport.udp import DatagramEndpoint
+from testbed.transport.wire import Kind
+
+RUN = 7
+LR = 0.1
+
+
+def lossy_group(
+    world: int, *, resync_every: int = 0, deadline: float = 5.0, **options
+) -> list[Lossy]:
+    """`world` workers on loopback, sockets bound first so the addresses are free ports. The
+    deadline is fixed (floor = initial): a busy host must not make a learned one cut off
+    chunks in tests that expect every one of them; it costs nothing when none is missing."""
+    endpoints = [DatagramEndpoint(rank, RUN, ("127.0.0.1", 0)) for rank in range(world)]
+    listeners = [Listener(("127.0.0.1", 0)) for _ in range(world)] if resync_every else None
+    return concurrently(*(
+        lambda rank=rank: Lossy(
+            rank, world, addresses=[e.address for e in endpoints], endpoint=endpoints[rank],
+            run_id=RUN, resync_every=resync_every, deadline_initial=deadline,
+            deadline_floor=deadline,
+            stream_addresses=[x.address for x in listeners] if listeners else None,
+            listener=listeners[rank] if listeners else None, **options,
+        )
+        for rank in range(world)
+    ))
+
+
+def close_all(group: list[Lossy]) -> None:
+    for collective in group:
+        collective.close()
+
+
+def seeded(world: int, numel: int, offset: int = 0) -> list[torch.Tensor]:
+    return [torch.randn(numel, generator=torch.Generator().manual_seed(offset + rank))
+            for rank in range(world)]
+
+
+def bounds(numel: int, world: int) -> list[slice]:
+    sizes = [len(part) for part in torch.tensor_split(torch.arange(numel), world)]
+    ends = torch.tensor(sizes).cumsum(0).tolist()
+    return [slice(end - size, end) for size, end in zip(sizes, ends, strict=True)]
+
+
+def kept(loss: SeededLoss, kind: Kind, step: int, sender: int, receiver: int, numel: int,
+         chunk_numel: int, payload: int | None = None) -> torch.Tensor:
+    """Per element of a `numel`-element shard: whether the model let its chunk through (the
+    chunk count is that of the `payload`-element tensor that carried it, if other)."""
+    payload = numel if payload is None else payload
+    count = max(1, -(-payload // chunk_numel))
+    lost = torch.from_numpy(loss.lost(kind, step, 0, sender, receiver, count))
+    return (~lost).repeat_interleave(chunk_numel)[:numel]
+
+
+@pytest.mark.parametrize(("world", "numel"), [(3, 300_001), (4, 3)])
+def test_without_loss_every_worker_gets_the_exact_mean(world, numel):
+    group = lossy_group(world)
+    try:
+        assert all(isinstance(collective, Collective) for collective in group)
+        inputs = seeded(world, numel)
+        originals = [tensor.clone() for tensor in inputs]
+        results = concurrently(*(
+            lambda r=r: group[r].allreduce(inputs[r].view(-1, 1), step=0) for r in range(world)
+        ))
+        expected = torch.stack(originals).mean(0).view(-1, 1)
+        for (result, stats), given, original in zip(results, inputs, originals, strict=True):
+            torch.testing.assert_close(result, expected, rtol=1e-5, atol=1e-6)
+            assert torch.equal(given, original), "the input must not be modified"
+            assert stats.collective == "lossy" and stats.coverage == 1.0
+            assert stats.peers_missing == () and not any(stats.missing.values())
+            assert torch.all(stats.chunk_coverage == 1.0)
+            assert stats.extra["broadcast_received"] == 1.0 and stats.extra["resync"] == 0.0
+    finally:
+        close_all(group)
+
+
+def test_owners_average_each_chunk_over_the_contributions_that_came():
+    world, numel = 3, 100_000
+    loss = SeededLoss(0.3, seed=1, kinds=frozenset({Kind.GRADIENT}))
+    group = lossy_group(world, test_loss=loss)
+    try:
+        inputs = seeded(world, numel)
+        results = concurrently(*(
+            lambda r=r: group[r].allreduce(inputs[r], step=0) for r in range(world)
+        ))
+        chunk_numel = group[0].endpoint.chunk_numel()
+        expected = torch.empty(numel)
+        for owner, shard in enumerate(bounds(numel, world)):
+            total, count = inputs[owner][shard].clone(), torch.ones(shard.stop - shard.start)
+            for sender in set(range(world)) - {owner}:
+                came = kept(loss, Kind.GRADIENT, 0, sender, owner, len(total), chunk_numel)
+                total += torch.where(came, inputs[sender][shard], 0.0)
+                count += came
+            expected[shard] = total / count
+            stats = results[owner][1]
+            per_chunk = count[::chunk_numel] / world
+            torch.testing.assert_close(stats.chunk_coverage, per_chunk.double())
+            assert stats.extra["shard_coverage"] == pytest.approx(count.mean().item() / world)
+        for result, stats in results:  # broadcasts lose nothing: everyone has the estimate
+            torch.testing.assert_close(result, expected, rtol=1e-5, atol=1e-6)
+            assert 0.75 < stats.coverage < 0.85, "30% of 2 in 3 contributions lost"
+            assert stats.extra["chunks_missing"] > 0 and stats.peers_missing == ()
+    finally:
+        close_all(group)
+
+
+def sgd(start: int, parameters: torch.Tensor, gradient: torch.Tensor) -> torch.Tensor:
+    return parameters - LR * gradient
+
+
+def sharded_steps(group: list[Lossy], parameters: list[torch.Tensor], gradients, step: int):
+    return concurrently(*(
+        lambda r=r: group[r].step(parameters[r], gradients[r], step, sgd)
+        for r in range(len(group))
+    ))
+
+
+def test_missed_broadcast_chunks_stay_stale_until_the_next_broadcast_overwrites_them():
+    world, numel = 3, 60_000
+    loss = SeededLoss(0.3, seed=2, kinds=frozenset({Kind.PARAMETER}))
+    group = lossy_group(world, test_loss=loss)
+    try:
+        start = torch.randn(numel, generator=torch.Generator().manual_seed(99))
+        gradients = seeded(world, numel)
+        fresh = start - LR * torch.stack(gradients).mean(0)
+        results = sharded_steps(group, [start] * world, gradients, step=0)
+        chunk_numel = group[0].endpoint.chunk_numel()
+        for receiver, (parameters, stats) in enumerate(results):
+            for owner, shard in enumerate(bounds(numel, world)):
+                if owner == receiver:  # an owner's own shard is always fresh
+                    torch.testing.assert_close(parameters[shard], fresh[shard])
+                    continue
+                size = shard.stop - shard.start
+                came = kept(loss, Kind.PARAMETER, 0, owner, receiver, size, chunk_numel,
+                            payload=size + -(-size // chunk_numel))
+                assert not came.all() and came.any()
+                torch.testing.assert_close(parameters[shard],
+                                           torch.where(came, fresh[shard], start[shard]))
+            assert stats.extra["broadcast_received"] < 1.0
+            # stale chunks carry no contribution of this step
+            assert stats.coverage == pytest.approx(
+                1 / 3 + 2 / 3 * stats.extra["broadcast_received"], abs=0.02)
+        # Drift is bounded: a stale copy is one update behind, no more.
+        drift = max((parameters - fresh).abs().max().item() for parameters, _ in results)
+        assert drift <= (fresh - start).abs().max().item() + 1e-6
+
+        for collective in group:
+            collective.test_loss = None
+        owners = [fresh - LR * torch.stack(gradients).mean(0)]
+        results = sharded_steps(group, [p for p, _ in results], gradients, step=1)
+        for parameters, stats in results:
+            torch.testing.assert_close(parameters, owners[0])
+            assert stats.coverage == 1.0
+    finally:
+        close_all(group)
+
+
+def test_a_periodic_resync_over_tcp_makes_every_copy_the_owners():
+    world, numel = 3, 30_000
+    loss = SeededLoss(0.3, seed=3, kinds=frozenset({Kind.PARAMETER}))
+    group = lossy_group(world, test_loss=loss, resync_every=2)
+    try:
+        parameters = [torch.zeros(numel)] * world
+        gradients = seeded(world, numel)
+        for step, resync in ((0, False), (1, True)):
+            results = sharded_steps(group, parameters, gradients, step)
+            parameters = [p for p, _ in results]
+            expected = -LR * (step + 1) * torch.stack(gradients).mean(0)
+            for copy, stats in results:
+                assert stats.extra["resync"] == float(resync)
+                assert torch.allclose(copy, expected, atol=1e-6) == resync
+    finally:
+        close_all(group)
+
+
+def test_a_silent_peer_is_named_and_the_others_go_on_after_the_deadline():
+    world, numel = 3, 10_000
+    group = lossy_group(world, deadline=0.2)
+    try:
+        inputs = seeded(world, numel)
+        results = concurrently(*(
+            lambda r=r: group[r].allreduce(inputs[r], step=0) for r in range(world - 1)
+        ))
+        shards = bounds(numel, world)
+        for rank, (result, stats) in enumerate(results):
+            assert stats.peers_missing == (2,)
+            assert stats.extra["deadline_seconds"] == 0.2
+            # The silent worker's shard stands as this worker's own value; the others'
+            # shards are the mean of the two that spoke.
+            torch.testing.assert_close(result[shards[2]], inputs[rank][shards[2]])
+            torch.testing.assert_close(result[: shards[2].start],
+                                       (inputs[0] + inputs[1])[: shards[2].start] / 2)
+            assert stats.coverage == pytest.approx((2 / 3 * 2 / 3) + 1 / 3 * 1 / 3, abs=1e-3)
+    finally:
+        close_all(group)
+
+
+def test_the_factory_builds_it_and_names_its_options():
+    endpoint = DatagramEndpoint(0, RUN, ("127.0.0.1", 0))
+    collective = create("lossy", 0, 1, addresses=[endpoint.address], endpoint=endpoint)
+    try:
+        result, stats = collective.allreduce(torch.arange(5.0), step=0)
+        assert torch.equal(result, torch.arange(5.0)) and stats.coverage == 1.0
+    finally:
+        collective.close()
+    with pytest.raises(ValueError, match=r"collective\.deadline: not an option of 'lossy'; "
+                                         r"allowed: addresses, run_id, mtu, rate"):
+        create("lossy", 0, 2, deadline="adaptive")
