@@ -45,6 +45,12 @@ class ChunkAccumulator:
         self.total.add_(values, alpha=weight)
         self.weight += weight
 
+    def add_partial(self, values: torch.Tensor, arrived: torch.Tensor) -> None:
+        """Add a contribution of which only the `arrived` chunks (a bool per chunk) came; `values`
+        must hold zero in the chunks that did not."""
+        self.total.add_(values)
+        self.weight += arrived
+
     def coverage(self) -> torch.Tensor:
         """Total weight that arrived per chunk."""
         return self.weight.clone()

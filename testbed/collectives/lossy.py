@@ -283,9 +283,7 @@ class Lossy:
         for peer in self.peers:
             scratch.zero_()  # chunks that did not come add nothing
             arrived = _land(arrivals[peer], scratch, chunk_numel)
-            # A partial contribution: its values where it came, a count of 1 for those chunks.
-            accumulator.total.add_(scratch)
-            accumulator.weight += arrived
+            accumulator.add_partial(scratch, arrived)
             missing[peer] = accumulator.chunks - int(arrived.sum())
         return accumulator, missing
 

@@ -50,6 +50,18 @@ def test_unbiased_under_value_independent_loss(loss):
     assert estimates.var(0).mean() > 1.0 / world
 
 
+def test_a_partial_contribution_adds_like_its_chunks_one_by_one():
+    grads = torch.arange(2 * 7, dtype=torch.float64).reshape(2, 7)
+    arrived = torch.tensor([[True, True, True, True], [True, False, False, True]])
+    by_chunk = _estimate(grads, arrived, chunk=2)
+    acc = ChunkAccumulator(7, 2, dtype=grads.dtype)
+    acc.add_all(grads[0])
+    acc.add_partial(grads[1] * arrived[1].repeat_interleave(2)[:7], arrived[1])
+    torch.testing.assert_close(acc.mean(), by_chunk)
+    expected = torch.tensor([2.0, 1.0, 1.0, 2.0], dtype=torch.float64)
+    torch.testing.assert_close(acc.coverage(), expected)
+
+
 def test_weights_count_micro_batches():
     acc = ChunkAccumulator(4, 4)
     acc.add_all(torch.full((4,), 1.0), weight=3)  # three micro-batches computed
