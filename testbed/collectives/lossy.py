@@ -100,6 +100,7 @@ class Lossy:
         deadline_initial: float = 1.0,
         deadline_floor: float = 0.005,
         deadline_ceiling: float = 5.0,
+        settle: float | None = 0.01,
         resync_every: int = 0,
         stream_addresses: Sequence[tuple[str, int]] | None = None,
         congestion: str | None = None,
@@ -109,6 +110,8 @@ class Lossy:
         test_loss: SeededLoss | None = None,
     ) -> None:
         """`mtu` sizes the datagrams and `rate` (bits/s) paces them (None: unpaced). With
+        `settle` (seconds) ends a phase once every sender's stream has ended and nothing came
+        for that long (the rest was lost; None waits to the deadline). With
         `resync_every` N > 0, every step whose number + 1 is a multiple of N broadcasts over
         TCP at `stream_addresses` (default: `addresses`; TCP ports are apart from UDP's), with
         `congestion` control and `timeout` per message. `endpoint` and `listener`, if given,
@@ -125,10 +128,13 @@ class Lossy:
                 f"deadline_initial: needs 0 < deadline_floor <= deadline_initial <= "
                 f"deadline_ceiling, got {deadline_floor}, {deadline_initial}, {deadline_ceiling}"
             )
+        if settle is not None and settle <= 0:
+            raise ValueError(f"settle: expected seconds > 0 or None (wait to the deadline), "
+                             f"got {settle}")
         if resync_every < 0:
             raise ValueError(f"resync_every: expected 0 (never) or more, got {resync_every}")
         self.rank, self.world, self.timeout = rank, world, timeout
-        self.resync_every, self.test_loss = resync_every, test_loss
+        self.resync_every, self.test_loss, self.settle = resync_every, test_loss, settle
         # Peers in the order of the rounds: at round i a worker sends to rank + i and hears
         # from rank - i, so reliable broadcasts pair up and never wait on each other.
         self.peers = [(rank + i) % world for i in range(1, world)]
@@ -340,7 +346,8 @@ class Lossy:
         counts = {sender: _chunk_count(length, chunk_numel) for sender, length in lengths.items()}
         expected = set().union(*(expected_chunks([sender], length, chunk_numel)
                                  for sender, length in lengths.items()))
-        collected = self.endpoint.collect(kind, step, bucket, expected, started + deadline)
+        collected = self.endpoint.collect(kind, step, bucket, expected, started + deadline,
+                                          settle=self.settle)
         if collected.last_arrival is not None:
             learner.observe(max(0.0, collected.last_arrival - started), collected.late)
         by_sender: dict[int, list[Chunk]] = {sender: [] for sender in lengths}

@@ -61,6 +61,9 @@ SO_SNDBUFFORCE, SO_RCVBUFFORCE = 32, 33  # Linux; beyond rmem_max/wmem_max, need
 # refused with EMSGSIZE, so a wrong `mtu` is an error at once instead of silent fragmentation.
 IP_MTU_DISCOVER, IPV6_MTU_DISCOVER, PMTUDISC_DO = 10, 23, 2
 DRAIN_BATCH = 1024  # datagrams read per drain, so a flood cannot hold a deadline hostage
+# A sender's stream has ended once one of its last TAIL chunks came: paced datagrams of one
+# stream arrive in order, so what it still lacks then was lost, not in flight.
+TAIL = 4
 BURST_SECONDS = 0.002  # default pacing burst: 2 ms of traffic (a wake-up is late by ~1 ms)
 
 Key = tuple[int, int, int]  # (kind, step, bucket)
@@ -114,6 +117,16 @@ class Collected:
     missing: set[tuple[int, int]]
     late: int
     last_arrival: float | None
+
+
+@dataclass
+class _Awaited:
+    """The key a `collect` is waiting on, kept current by every accepted datagram."""
+
+    key: Key
+    wanted: set[tuple[int, int]]
+    ended: set[int]  # senders whose stream reached its tail
+    newest: float  # when its newest chunk came
 
 
 def place(chunks: Sequence[Chunk], out: torch.Tensor, chunk_numel: int) -> np.ndarray:
@@ -235,7 +248,7 @@ class DatagramEndpoint:
         self._receive_errors = 0
         self._rcvbuf_drops = 0
         self._pending: dict[Key, dict[tuple[int, int], Chunk]] = {}
-        self._awaited: tuple[Key, set[tuple[int, int]]] | None = None
+        self._awaited: _Awaited | None = None
         self._closed: set[Key] = set()
         self._closed_below = 0  # every step below this is closed
         self._late: Counter[int] = Counter()  # per kind
@@ -304,20 +317,37 @@ class DatagramEndpoint:
         bucket: int,
         expected: Collection[tuple[int, int]],
         deadline: float,
+        *,
+        settle: float | None = None,
     ) -> Collected:
         """Chunks of (kind, step, bucket) until every expected (sender, index) came or
         time.monotonic() passes `deadline`. The key is closed afterwards: later chunks of it
-        are late."""
+        are late.
+
+        With `settle`, the wait also ends once every expected sender's stream has ended (one
+        of its last TAIL chunks came) and nothing came for `settle` seconds: the rest was lost.
+        Under loss that ends a call when the data stops rather than at the deadline, which
+        then only bounds the wait for senders that are slow or gone."""
         key = (int(kind), step, bucket)
         if step < self._closed_below or key in self._closed:
             raise ValueError(f"collect: {Kind(kind).name} step {step} bucket {bucket} is closed")
         late_before = self._late[key[0]]
         got = self._pending.setdefault(key, {})
-        wanted = set(expected) - got.keys()
-        self._awaited = (key, wanted)
+        senders = {sender for sender, _ in expected}
+        awaited = self._awaited = _Awaited(
+            key,
+            set(expected) - got.keys(),
+            {c.sender for c in got.values() if c.index >= c.count - TAIL},
+            max((c.arrival for c in got.values()), default=time.monotonic()),
+        )
         try:
             self._drain()
-            while wanted and (remaining := deadline - time.monotonic()) > 0:
+            while awaited.wanted and (remaining := deadline - time.monotonic()) > 0:
+                if settle is not None and awaited.ended >= senders:
+                    quiet = awaited.newest + settle - time.monotonic()
+                    if quiet <= 0:
+                        break
+                    remaining = min(remaining, quiet)
                 self._wait(remaining)
         finally:
             self._awaited = None
@@ -326,7 +356,7 @@ class DatagramEndpoint:
         chunks = list(got.values())
         return Collected(
             chunks=chunks,
-            missing=wanted,
+            missing=awaited.wanted,
             late=self._late[key[0]] - late_before,
             last_arrival=max((c.arrival for c in chunks), default=None),
         )
@@ -416,8 +446,12 @@ class DatagramEndpoint:
         chunk = Chunk(sender, header.chunk, header.chunks, Codec(header.codec),
                       datagram[HEADER_SIZE:], now)
         self._pending.setdefault(key, {}).setdefault((sender, header.chunk), chunk)
-        if self._awaited is not None and self._awaited[0] == key:
-            self._awaited[1].discard((sender, header.chunk))
+        awaited = self._awaited
+        if awaited is not None and awaited.key == key:
+            awaited.wanted.discard((sender, header.chunk))
+            awaited.newest = now
+            if header.chunk >= header.chunks - TAIL:
+                awaited.ended.add(sender)
 
     def _sequence(self, sender: int, incarnation: int, seq: int) -> _Sequence | None:
         """The sender's stream; a new incarnation (the sender restarted) retires the old one,

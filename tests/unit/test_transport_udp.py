@@ -185,6 +185,35 @@ def test_missing_chunks_are_reported_at_the_deadline(pair):
     assert got.last_arrival is not None
 
 
+def send_chunks(raw: socket.socket, receiver: DatagramEndpoint, indexes, chunks: int) -> None:
+    """Chunks of a `chunks`-chunk tensor from rank 5, in order, with full payloads."""
+    full = b"\0" * (receiver.chunk_numel() * 4)
+    for seq, index in enumerate(indexes):
+        raw.sendto(crafted(seq, chunk=index, chunks=chunks, payload=full), receiver.address)
+
+
+def test_settle_gives_up_on_a_gap_once_the_stream_ended(raw):
+    """Chunk 5 of 10 was lost: once the stream's tail came and nothing more for `settle`
+    seconds, the rest is lost, and collect returns long before its deadline."""
+    with DatagramEndpoint(1, RUN, LOOPBACK, peers={5: raw.getsockname()}) as receiver:
+        send_chunks(raw, receiver, [i for i in range(10) if i != 5], chunks=10)
+        expected = {(5, index) for index in range(10)}
+        start = time.monotonic()
+        got = receiver.collect(Kind.GRADIENT, 0, 0, expected, start + WAIT, settle=0.05)
+        assert got.missing == {(5, 5)}
+        assert time.monotonic() - start < WAIT / 2, "waited out the deadline for a lost chunk"
+
+
+def test_settle_still_waits_for_a_stream_that_has_not_ended(raw):
+    with DatagramEndpoint(1, RUN, LOOPBACK, peers={5: raw.getsockname()}) as receiver:
+        send_chunks(raw, receiver, range(4), chunks=10)  # the sender is still sending
+        expected = {(5, index) for index in range(10)}
+        start = time.monotonic()
+        got = receiver.collect(Kind.GRADIENT, 0, 0, expected, start + 0.3, settle=0.01)
+        assert time.monotonic() - start >= 0.3
+        assert got.missing == {(5, index) for index in range(4, 10)}
+
+
 def test_chunks_after_the_step_closed_are_late(pair):
     sender, receiver = pair
     early = receiver.collect(Kind.GRADIENT, 0, 0, {(0, 0)}, time.monotonic())  # gives up
