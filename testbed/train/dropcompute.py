@@ -11,12 +11,15 @@ payloads over W workers gives
 
 exactly the micro-batch-weighted mean, from one ordinary all-reduce (see `pack`/`unpack`).
 
-`threshold: auto` picks tau from the first `warmup_steps` steps (computed in full): every
-worker contributes the start times of all its micro-batches, and tau is the smallest value
-at which the fraction of start times >= tau, i.e. of micro-batches that would have been
-dropped, is at most `target_drop_rate`. The times are pooled over all workers so that a
-worker that is always slow drops more, which is the point, instead of getting its own laxer
-threshold.
+`threshold: auto` picks tau from the first `warmup_steps` steps (computed in full): tau is the
+smallest value at which the fraction of micro-batch start times >= tau, i.e. of micro-batches
+that would have been dropped, is at most `target_drop_rate`. The times are pooled over all
+workers so that a worker that is always slow drops more, which is the point, instead of getting
+its own laxer threshold. They are pooled as a histogram on fixed log-spaced bins, averaged by
+one ordinary all-reduce: every worker makes exactly that one call whatever the network does
+(no retry that only some workers would make), and a lossy all-reduce's estimate of the mean
+histogram is as good as any for a quantile. tau is a bin edge, so it is exact to a bin's
+width (1.6%).
 """
 
 from __future__ import annotations
@@ -43,16 +46,29 @@ def unpack(mean_payload: torch.Tensor) -> torch.Tensor:
     return mean_payload[:-1] / mean_payload[-1]
 
 
-def auto_threshold(start_times: np.ndarray, target_drop_rate: float) -> float:
-    """The smallest tau dropping at most `target_drop_rate` of the micro-batches whose
-    start times (seconds into their step's compute) are given; inf if none may be dropped."""
-    starts = np.sort(np.asarray(start_times, dtype=np.float64).ravel())
-    dropped = math.floor(target_drop_rate * starts.size)
-    if not 0 < dropped < starts.size:
+# Bin i holds start times in [BIN_EDGES[i], BIN_EDGES[i + 1]); the last is open-ended.
+BIN_EDGES = np.concatenate([[0.0], np.geomspace(1e-4, 1e3, 1023)])
+
+
+def start_histogram(start_times: np.ndarray | list[float]) -> np.ndarray:
+    """Counts of micro-batch start times (seconds into their step's compute) per bin."""
+    starts = np.asarray(start_times, dtype=np.float64).ravel()
+    index = np.searchsorted(BIN_EDGES, np.maximum(starts, 0.0), side="right") - 1
+    return np.bincount(index, minlength=BIN_EDGES.size).astype(np.float64)
+
+
+def auto_threshold(histogram: np.ndarray, target_drop_rate: float) -> float:
+    """The smallest bin edge tau dropping at most `target_drop_rate` of the start times that
+    `histogram` counts (a worker's, or the workers' mean); inf if none may be dropped."""
+    counts = np.clip(np.asarray(histogram, dtype=np.float64), 0.0, None)
+    total = counts.sum()
+    if total <= 0:
         return math.inf
-    # Every start above the last one that must be kept; past ties, so equal times stay together.
-    first_dropped = np.searchsorted(starts, starts[starts.size - dropped - 1], side="right")
-    return float(starts[first_dropped]) if first_dropped < starts.size else math.inf
+    tail = np.cumsum(counts[::-1])[::-1] / total  # tail[b]: the fraction starting in bin b or later
+    fits = np.flatnonzero(tail[1:] <= target_drop_rate + 1e-12) + 1
+    if not fits.size or tail[fits[0]] == 0:
+        return math.inf
+    return float(BIN_EDGES[fits[0]])
 
 
 class DropCompute:
@@ -70,20 +86,14 @@ class DropCompute:
         return self.threshold is not None and elapsed >= self.threshold
 
     def observe(self, start_times: list[float], step: int, collective: Collective) -> None:
-        """Record a full step's micro-batch start times; after warm-up, calibrate tau.
-
-        Calibration gathers every worker's recent times through the collective (each worker
-        writes its own slot of a zero vector, so the average times `world` is all of them). It
-        is retried on later steps while the collective reports the exchange incomplete.
-        """
+        """Record a full step's micro-batch start times; after warm-up, calibrate tau once
+        from the workers' mean histogram of them (one all-reduce, on every worker at the same
+        step: before calibration every step is computed in full)."""
         if self.threshold is not None:
             return
         self._starts.extend(start_times)
         if len(self._starts) < (self._starts.maxlen or 0):
             return
-        slots = torch.zeros(self.world, len(self._starts))
-        slots[self.rank] = torch.tensor(list(self._starts))
-        mean, stats = collective.allreduce(slots.flatten(), step)
-        if stats.coverage < 1.0 or stats.peers_missing:
-            return
-        self.threshold = auto_threshold((mean * self.world).numpy(), self.spec.target_drop_rate)
+        mine = torch.from_numpy(start_histogram(list(self._starts))).float()
+        mean, _ = collective.allreduce(mine, step)
+        self.threshold = auto_threshold(mean.double().numpy(), self.spec.target_drop_rate)

@@ -3,17 +3,11 @@ are disjoint and cover the training set, and batches replay under a seed."""
 
 from __future__ import annotations
 
-from importlib.util import find_spec
-
 import numpy as np
 import pytest
 import torch
 
 from testbed.train.data import Shard, characters, digits, encode, stdlib_corpus
-
-needs_sklearn = pytest.mark.skipif(
-    find_spec("sklearn") is None, reason="the digits data needs scikit-learn, not installed here"
-)
 
 
 def test_corpus_is_deterministic_capped_and_starts_with_the_first_sorted_file():
@@ -67,7 +61,6 @@ def test_a_batch_larger_than_the_shard_is_refused():
         Shard(1000, rank=0, world=4, seed=0).batch(0, 300)
 
 
-@needs_sklearn
 def test_digits_split_is_fixed_and_scaled():
     data = digits()
     assert data.task == "classify" and data.classes == 10

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from testbed.train import TrainConfig, TrainConfigError
-from testbed.train.dropcompute import auto_threshold
+from testbed.train.dropcompute import BIN_EDGES, auto_threshold, start_histogram
 
 
 def start_times(steps: int, micro_batches: int, seed: int) -> np.ndarray:
@@ -25,24 +25,40 @@ def drop_rate(starts: np.ndarray, threshold: float) -> float:
 
 
 @pytest.mark.parametrize("target", [0.05, 0.1, 0.25])
-def test_auto_threshold_drops_exactly_the_target_on_its_own_sample(target):
+def test_auto_threshold_drops_at_most_the_target_and_within_a_bin_of_it(target):
     starts = start_times(400, 8, seed=1)
-    threshold = auto_threshold(starts, target)
-    assert drop_rate(starts, threshold) == math.floor(target * starts.size) / starts.size
+    threshold = auto_threshold(start_histogram(starts), target)
+    assert drop_rate(starts, threshold) <= target
+    # One bin lower would drop more than the target: tau is as small as the bins allow.
+    lower = BIN_EDGES[np.searchsorted(BIN_EDGES, threshold) - 1]
+    assert drop_rate(starts, lower) > target
+    assert threshold / lower < 1.02
 
 
 @pytest.mark.parametrize("target", [0.05, 0.1, 0.25])
 def test_auto_threshold_meets_its_target_on_later_steps(target):
-    threshold = auto_threshold(start_times(400, 8, seed=1), target)
+    threshold = auto_threshold(start_histogram(start_times(400, 8, seed=1)), target)
     assert drop_rate(start_times(4000, 8, seed=2), threshold) == pytest.approx(target, abs=0.02)
+
+
+def test_the_mean_of_workers_histograms_pools_their_start_times():
+    workers = [start_times(100, 8, seed=seed) * (1 + seed) for seed in range(3)]
+    mean = np.mean([start_histogram(w) for w in workers], axis=0)
+    pooled = np.concatenate([w.ravel() for w in workers])
+    assert auto_threshold(mean, 0.2) == auto_threshold(start_histogram(pooled), 0.2)
+    # The slowest worker (seed 2, three times slower) is the one that drops.
+    threshold = auto_threshold(mean, 0.2)
+    assert drop_rate(workers[2], threshold) > 2 * drop_rate(workers[0], threshold)
 
 
 def test_auto_threshold_keeps_ties_together_and_never_drops_more_than_the_target():
     starts = np.array([0.0] * 4 + [0.01] * 4 + [0.02] * 4)
     # A quarter would split the 0.02s in the middle: all of them stay in, nothing fits.
-    assert auto_threshold(starts, 0.25) == math.inf
-    assert auto_threshold(starts, 0.34) == 0.02
-    assert auto_threshold(starts, 0.0) == math.inf
+    assert auto_threshold(start_histogram(starts), 0.25) == math.inf
+    threshold = auto_threshold(start_histogram(starts), 0.34)
+    assert 0.01 < threshold <= 0.02 and drop_rate(starts, threshold) == pytest.approx(1 / 3)
+    assert auto_threshold(start_histogram(starts), 0.0) == math.inf
+    assert auto_threshold(np.zeros(BIN_EDGES.size), 0.2) == math.inf
 
 
 @pytest.mark.parametrize(

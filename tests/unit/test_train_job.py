@@ -7,7 +7,6 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from importlib.util import find_spec
 from typing import Any
 
 import pytest
@@ -23,13 +22,10 @@ from testbed.train.models import build_model, loss_fn
 
 torch.set_num_threads(1)
 
-needs_sklearn = pytest.mark.skipif(
-    find_spec("sklearn") is None, reason="the digits data needs scikit-learn, not installed here"
-)
 # A small char-lm needs no scikit-learn and steps in milliseconds.
 TINY_LM = {"model": "char-lm", "context": 8, "corpus_chars": 20_000}
 MODELS = [
-    pytest.param({"model": "mlp"}, id="mlp", marks=needs_sklearn),
+    pytest.param({"model": "mlp"}, id="mlp"),
     pytest.param(TINY_LM, id="char-lm"),
 ]
 
@@ -181,8 +177,8 @@ SGD = {"sgd": {"lr": 0.5, "momentum": 0.9}}
 @pytest.mark.parametrize(
     ("model", "optimizer"),
     [
-        pytest.param({"model": "mlp"}, SGD, id="mlp-sgd", marks=needs_sklearn),
-        pytest.param({"model": "mlp"}, {"adam": {"lr": 0.01}}, id="mlp-adam", marks=needs_sklearn),
+        pytest.param({"model": "mlp"}, SGD, id="mlp-sgd"),
+        pytest.param({"model": "mlp"}, {"adam": {"lr": 0.01}}, id="mlp-adam"),
         pytest.param(TINY_LM, SGD, id="char-lm-sgd"),
     ],
 )

@@ -3,8 +3,6 @@ perplexity is exp of the mean cross-entropy (a uniform model scores the vocabula
 
 from __future__ import annotations
 
-from importlib.util import find_spec
-
 import pytest
 import torch
 from torch import nn
@@ -13,10 +11,6 @@ from testbed.train.data import Shard, characters, digits
 from testbed.train.models import MLP, CharTransformer, DigitsCNN, build_model, evaluate, loss_fn
 
 torch.set_num_threads(1)
-
-needs_sklearn = pytest.mark.skipif(
-    find_spec("sklearn") is None, reason="the digits data needs scikit-learn, not installed here"
-)
 
 
 @pytest.mark.parametrize("model", [MLP(), DigitsCNN()], ids=["mlp", "cnn"])
@@ -59,7 +53,6 @@ def _train(name: str, data, steps: int, lr: float) -> tuple[float, float]:
     return before, evaluate(model, data, samples=256)["loss"]
 
 
-@needs_sklearn
 @pytest.mark.parametrize("name", ["mlp", "cnn"])
 def test_a_few_steps_on_digits_reduce_the_held_out_loss(name):
     before, after = _train(name, digits(), steps=40, lr=0.01)
