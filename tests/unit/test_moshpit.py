@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 import socket
 import threading
 import time
@@ -262,3 +263,47 @@ def test_demo_peer_prints_a_line_per_step(capsys):
         assert line["head"] == pytest.approx(expected[:4].tolist())
         assert math.isclose(line["sum"], expected.double().sum().item(), rel_tol=1e-6)
         assert line["missing"] == [] and line["coverage"] == 1.0
+
+
+def test_converges_while_a_different_fifth_of_the_peers_fails_every_round(swarm):
+    """Ten peers, and in every round a different random two of them (20%) fail: alive to the
+    membership (they beat) but silent, the way a preempted or hung peer is. The others average
+    without them and never wait for them past the roll call; the peers' values converge to the
+    mean of the initial ones, which group means without the failed peers conserve."""
+    world, failing, rounds, timeout = 10, 2, 12, 0.5
+    peers = swarm(world, group_size=4, timeout=timeout)
+    grid = peers[0].grid
+    assert grid.sides == (5, 2)
+    inputs = torch.randn(world, 1000, generator=torch.Generator().manual_seed(5))
+    rng = random.Random(5)
+
+    def spread(values: torch.Tensor) -> float:  # the widest disagreement on any element
+        return (values.max(0).values - values.min(0).values).max().item()
+
+    values, spreads, failed = inputs.clone(), [spread(inputs)], set()
+    for round_index in range(rounds):
+        previous, failed = failed, set(rng.sample(range(world), failing))
+        while failed == previous:
+            failed = set(rng.sample(range(world), failing))
+        present = [rank for rank in range(world) if rank not in failed]
+        results = concurrently(*(partial(peers[rank].average_round, values[rank], round_index)
+                                 for rank in present))
+        expected, _ = reference(grid, values, [round_index], absent=failed)
+        for rank, (result, stats) in zip(present, results, strict=True):
+            (this_round,) = stats.rounds
+            group = grid.group(rank, round_index)
+            assert this_round.present == tuple(p for p in group if p not in failed), \
+                f"round {round_index}, rank {rank}: failed {sorted(failed)}"
+            assert this_round.missing == tuple(p for p in group if p in failed)
+            # Waiting for a failed peer beyond the roll call would cost another phase timeout.
+            assert this_round.seconds < 2 * timeout, \
+                f"round {round_index}: rank {rank} blocked {this_round.seconds:.2f} s"
+            torch.testing.assert_close(result, expected[rank])
+            values[rank] = result
+        spreads.append(spread(values))
+
+    mean = inputs.mean(0)
+    torch.testing.assert_close(values.mean(0), mean, rtol=0, atol=1e-5)  # nothing lost or added
+    assert spreads[-1] < spreads[0] / 10, f"spread by round: {spreads}"
+    assert max(spreads[rounds // 2:]) < max(spreads[:rounds // 2]), f"not shrinking: {spreads}"
+    assert (values - mean).abs().max() < spreads[0] / 10, "the consensus left the initial mean"
