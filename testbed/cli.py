@@ -470,3 +470,42 @@ def demo() -> None:
         console.print(f"[red]{len(failed)} link(s) missed a tolerance: {'; '.join(failed)}")
         raise typer.Exit(1)
     console.print(f"[green]all {len(outcomes)} links measured within tolerance")
+
+
+@app.command()
+def report(
+    run_dirs: Annotated[list[str], typer.Argument(
+        metavar="RUN_DIR", help="Run directories; several are compared in one set of plots.",
+        show_default=False)],
+    out: Annotated[str | None, typer.Option(
+        "--out", "-o", help="Where the plots and the page go. Default: the run directory (one "
+        "run); `comparison/` beside the runs (several).", show_default=False)] = None,
+) -> None:
+    """Render a run's report (plots as PNG and index.html), or compare several runs (e.g. 0, 5
+    and 10% loss) in one set of plots and comparison.html. Prints where the page is. Exit code 2
+    if a path is not a run directory, 1 if its events are malformed."""
+    import os
+    from pathlib import Path
+
+    from testbed.report import RunError, load_run
+    from testbed.report.page import render_comparison, render_run
+
+    try:
+        runs = [load_run(path) for path in run_dirs]
+        for run in runs:
+            for warning in run.warnings:
+                typer.echo(f"warning: {warning}", err=True)
+        if len(runs) == 1:
+            rendered = render_run(runs[0], out)
+        else:
+            common = Path(os.path.commonpath([run.path.resolve() for run in runs]))
+            rendered = render_comparison(runs, Path(out) if out else common / "comparison")
+    except RunError as error:
+        typer.echo(f"error: {error}", err=True)
+        raise typer.Exit(error.code) from None
+    except OSError as error:
+        typer.echo(f"error: {error.filename or ''}: {error.strerror or error}", err=True)
+        raise typer.Exit(1) from None
+    for name, reason in rendered.skipped.items():
+        typer.echo(f"{name}.png not drawn: {reason}")
+    typer.echo(f"report: {rendered.html}")
