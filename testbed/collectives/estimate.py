@@ -67,7 +67,9 @@ class AdaptiveDeadline:
 
     Lost chunks never arrive, so the observed signal is the arrival time of the last chunk that
     did; the deadline is a high quantile of recent ones times a margin, within [floor, ceiling].
-    A step that has everything in hand ends at once, whatever the deadline.
+    Until `trust` calls were seen it is never below `initial`: a quantile of a handful of calls
+    on a busy host says little, and one learned too short cuts off whole senders. A step that
+    has everything in hand ends at once, whatever the deadline.
     """
 
     floor: float = 0.005
@@ -76,6 +78,7 @@ class AdaptiveDeadline:
     quantile: float = 0.9
     margin: float = 1.5
     window: int = 32
+    trust: int = 8
     history: deque[float] = field(default_factory=deque, init=False)
 
     def __post_init__(self) -> None:
@@ -89,6 +92,8 @@ class AdaptiveDeadline:
             return self.initial
         ordered = sorted(self.history)
         value = ordered[min(len(ordered) - 1, int(self.quantile * len(ordered)))] * self.margin
+        if len(ordered) < self.trust:
+            value = max(value, self.initial)
         return min(self.ceiling, max(self.floor, value))
 
     def observe(self, last_arrival: float, late_chunks: int = 0) -> None:

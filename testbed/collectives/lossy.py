@@ -226,7 +226,7 @@ class Lossy:
             received = self._broadcast_reliably(payload, step, bucket, sizes, chunk_numel)
         else:
             received = self._broadcast(payload, step, bucket, sizes, chunk_numel,
-                                       broadcast_deadline)
+                                       broadcast_deadline, started + gather_deadline)
         # Per chunk of each shard: how many workers' values are in `result` there.
         contributions = {self.rank: accumulator.weight}
         stand_in = 0.0 if update is not None else 1.0  # stale parameters, or the own value
@@ -282,7 +282,7 @@ class Lossy:
         accumulator = ChunkAccumulator(own.numel(), chunk_numel, dtype=own.dtype)
         accumulator.add_all(own)
         arrivals = self._collect(Kind.GRADIENT, step, bucket, dict.fromkeys(self.peers,
-                                 own.numel()), chunk_numel, started, deadline,
+                                 own.numel()), chunk_numel, started, started + deadline,
                                  self.gather_deadline)
         scratch = torch.empty_like(own)
         missing = {}
@@ -295,16 +295,20 @@ class Lossy:
 
     def _broadcast(
         self, payload: torch.Tensor, step: int, bucket: int, sizes: Sequence[int],
-        chunk_numel: int, deadline: float,
+        chunk_numel: int, deadline: float, others_start_by: float,
     ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """Send this owner's payload to every peer as datagrams; per other owner, its payload
-        as far as it came within `deadline` seconds, and which of its chunks did."""
+        as far as it came, and which of its chunks did. The wait ends `deadline` seconds after
+        this broadcast started or after `others_start_by` (when every other owner's gather
+        ended, at the latest), whichever is later: a slower owner's broadcast is not cut off
+        for starting late."""
         started = time.monotonic()
         for peer in self.peers:
             self.endpoint.send_tensor(peer, Kind.PARAMETER, step, bucket, payload)
         lengths = {owner: _payload_length(sizes[owner], chunk_numel) for owner in self.peers}
         arrivals = self._collect(Kind.PARAMETER, step, bucket, lengths, chunk_numel, started,
-                                 deadline, self.broadcast_deadline)
+                                 max(started, others_start_by) + deadline,
+                                 self.broadcast_deadline)
         received = {}
         for owner, length in lengths.items():
             values = torch.empty(length, dtype=payload.dtype)
@@ -338,15 +342,15 @@ class Lossy:
 
     def _collect(
         self, kind: Kind, step: int, bucket: int, lengths: Mapping[int, int], chunk_numel: int,
-        started: float, deadline: float, learner: AdaptiveDeadline,
+        started: float, until: float, learner: AdaptiveDeadline,
     ) -> dict[int, list[Chunk]]:
         """Per sender, the chunks of its `lengths[sender]`-element tensor of (kind, step,
-        bucket) that came within `deadline` seconds of `started`, less those a test loss model
-        discards; teaches `learner` when the last one came."""
+        bucket) that came by time.monotonic() `until`, less those a test loss model discards;
+        teaches `learner` how long after `started` the last one came."""
         counts = {sender: _chunk_count(length, chunk_numel) for sender, length in lengths.items()}
         expected = set().union(*(expected_chunks([sender], length, chunk_numel)
                                  for sender, length in lengths.items()))
-        collected = self.endpoint.collect(kind, step, bucket, expected, started + deadline,
+        collected = self.endpoint.collect(kind, step, bucket, expected, until,
                                           settle=self.settle)
         if collected.last_arrival is not None:
             learner.observe(max(0.0, collected.last_arrival - started), collected.late)

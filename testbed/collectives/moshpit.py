@@ -309,11 +309,7 @@ class Moshpit:
                 return
             self._closed = True
         self.membership.close()
-        try:  # wake the accept loop
-            Stream.connect(self.address, rank=self.rank, peer=self.rank, run_id=self.run_id,
-                           timeout=self.timeout).close()
-        except TransportError as exc:
-            log.warning("rank %d: could not wake its accept loop: %s", self.rank, exc)
+        self._listener.shutdown()  # the accept loop returns on OSError
         self._acceptor.join()
         self._listener.close()
         for stream, _ in self._readers:

@@ -10,6 +10,7 @@ process's own connections come from TCP_INFO (`Stream.tcp_info().total_retrans`)
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import socket
@@ -336,6 +337,12 @@ class Listener:
             f"rank {rank}: waiting on {self.address[0]}:{self.address[1]} for {waited_for} to "
             f"connect: timed out after {timeout:g} s{extra}"
         )
+
+    def shutdown(self) -> None:
+        """Wake a thread blocked in `accept` (it fails with OSError). Unlike connecting to
+        ourselves, this works from any network namespace."""
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
 
     def close(self) -> None:
         self._sock.close()

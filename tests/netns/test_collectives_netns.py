@@ -8,63 +8,44 @@ from __future__ import annotations
 import pytest
 import torch
 from concurrently import concurrently
+from lab_collectives import lossy_workers, rings, shape_every_link
 
-from netem import LinkProfile, apply
-from netem.probe import inside
+from netem import LinkProfile
 from testbed.collectives.lossy import Lossy, LossyStats
-from testbed.collectives.ring import Ring
-from testbed.transport.tcp import Listener
 
 pytestmark = pytest.mark.netns
 
 WORLD = 4
-PORT = 29500
 LOSS = 0.10
 
 
 def lossy_lab(make_lab, world: int, **options) -> list[Lossy]:
     """`world` lossy workers, one per namespace, every link into every host losing LOSS."""
     lab = make_lab(world)
-    for host in lab.hosts:
-        apply(host.switch_port, LinkProfile.parse(loss=f"{LOSS:.0%}"), netns=lab.switch,
-              backend="fallback")
-    addresses = [(host.address, PORT) for host in lab.hosts]
-
-    def start(rank: int) -> Lossy:
-        with inside(lab.hosts[rank].netns):
-            return Lossy(rank, world, addresses=addresses, deadline_initial=0.5, **options)
-
-    return concurrently(*(lambda r=r: start(r) for r in range(world)))
+    shape_every_link(lab, LinkProfile.parse(loss=f"{LOSS:.0%}"), backend="fallback")
+    return lossy_workers(lab, deadline_initial=0.5, **options)
 
 
 def test_ring_is_exact_across_lossy_links_and_counts_retransmits(make_lab):
     lab = make_lab(WORLD)
-    lossy = LinkProfile.parse(loss="5%")
-    for host in lab.hosts:  # every link into every host loses 5%
-        apply(host.switch_port, lossy, netns=lab.switch, backend="fallback")
-    addresses = [(host.address, PORT) for host in lab.hosts]
-
-    def start(rank: int) -> Ring:
-        with inside(lab.hosts[rank].netns):
-            listener = Listener(addresses[rank])
-            return Ring(rank, WORLD, addresses=addresses, listener=listener, timeout=30)
-
-    rings = concurrently(*(lambda r=r: start(r) for r in range(WORLD)))
+    # every link into every host loses 5%
+    shape_every_link(lab, LinkProfile.parse(loss="5%"), backend="fallback")
+    workers = rings(lab, timeout=30)
     try:
         inputs = [torch.randn(1_000_000, generator=torch.Generator().manual_seed(r))
                   for r in range(WORLD)]
         expected = torch.stack(inputs).mean(0)
         for step in range(2):
             results = concurrently(*(
-                lambda r=r, s=step: rings[r].allreduce(inputs[r], s) for r in range(WORLD)
+                lambda r=r, s=step: workers[r].allreduce(inputs[r], s) for r in range(WORLD)
             ))
             for result, _ in results:
                 torch.testing.assert_close(result, expected, rtol=1e-5, atol=1e-6)
         retransmits = sum(stats.extra["tcp_retransmits"] for _, stats in results)
         assert retransmits > 0, "5% loss on every link, yet TCP retransmitted nothing"
     finally:
-        for ring in rings:
-            ring.close()
+        for worker in workers:
+            worker.close()
 
 
 def test_lossy_all_reduce_estimates_the_mean_from_the_chunks_that_came(make_lab):
@@ -76,7 +57,7 @@ def test_lossy_all_reduce_estimates_the_mean_from_the_chunks_that_came(make_lab)
                   for r in range(1, world + 1)]
         expected = torch.stack(inputs).mean(0)
         everything: list[LossyStats] = []
-        for step in range(4):
+        for step in range(10):  # past the 8 calls a deadline is learned from
             results = concurrently(*(
                 lambda r=r, s=step: group[r].allreduce(inputs[r], s) for r in range(world)
             ))
@@ -86,8 +67,8 @@ def test_lossy_all_reduce_estimates_the_mean_from_the_chunks_that_came(make_lab)
                 alone = (inputs[rank] - expected).norm() / expected.norm()
                 assert error < 0.8 * alone, f"step {step}: relative error {error:.3f}"
                 everything.append(stats)
-        # Per owner: its own and 90% of two peers' chunks (0.93); less what a deadline still
-        # being learned cuts off (those come late, and the deadline grows).
+        # Per owner: its own and 90% of two peers' chunks (0.93); less what a deadline cuts off
+        # (those come late, and the deadline grows).
         shard = sum(s.extra["shard_coverage"] for s in everything) / len(everything)
         assert 0.88 < shard < 0.96, shard
         # Then 90% of the broadcasts come; elsewhere the own value stands (1 of 3).
@@ -96,7 +77,7 @@ def test_lossy_all_reduce_estimates_the_mean_from_the_chunks_that_came(make_lab)
         assert all(s.extra["datagrams_lost"] > 0 for s in everything[-world:]), \
             "sequence numbers must show the datagrams the links dropped"
         assert all(s.extra["deadline_seconds"] < 0.5 for s in everything[-world:]), \
-            "the deadline should have been learned from the first steps"
+            "the deadline should have been learned from the first 8 steps"
     finally:
         for collective in group:
             collective.close()

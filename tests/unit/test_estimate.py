@@ -76,9 +76,12 @@ def test_wrong_chunk_size_is_refused():
 
 
 def test_deadline_follows_arrivals_and_grows_after_late_chunks():
-    deadline = AdaptiveDeadline(floor=0.001, initial=1.0, ceiling=10.0, margin=1.5)
+    deadline = AdaptiveDeadline(floor=0.001, initial=1.0, ceiling=10.0, margin=1.5, trust=8)
     assert deadline.seconds == 1.0
-    for _ in range(20):
+    for _ in range(7):  # too few calls to go below the initial deadline
+        deadline.observe(0.02)
+    assert deadline.seconds == 1.0
+    for _ in range(13):
         deadline.observe(0.02)
     assert deadline.seconds == pytest.approx(0.03)
     before = deadline.seconds

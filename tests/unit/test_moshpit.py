@@ -305,5 +305,5 @@ def test_converges_while_a_different_fifth_of_the_peers_fails_every_round(swarm)
     mean = inputs.mean(0)
     torch.testing.assert_close(values.mean(0), mean, rtol=0, atol=1e-5)  # nothing lost or added
     assert spreads[-1] < spreads[0] / 10, f"spread by round: {spreads}"
-    assert max(spreads[rounds // 2:]) < max(spreads[:rounds // 2]), f"not shrinking: {spreads}"
+    assert spreads[-1] < spreads[rounds // 2] / 2, f"stalled in the second half: {spreads}"
     assert (values - mean).abs().max() < spreads[0] / 10, "the consensus left the initial mean"

@@ -1,0 +1,164 @@
+"""Collectives across a lab of namespaces whose links are shaped with real netem (delay, jitter,
+loss and a rate on every link into every host; the UML guest here: `testbed sandbox pytest -m
+netem_kernel tests/netem_kernel/test_collectives_netem.py`). The ring and gloo stay exact over
+TCP and the ring counts the kernel's retransmits; the lossy all-reduce estimates the mean from
+the chunks that came; Moshpit reaches the exact mean after its d rounds.
+
+The guest has one slow CPU (about 75 Mbit/s for full frames, 14 s to import torch): tensors are
+small, workers are threads of this process (gloo's, which needs a process per rank, are forked
+from it, torch already imported), and each test runs only a few steps."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import queue
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+from lab_collectives import (
+    addresses,
+    close_all,
+    lossy_workers,
+    moshpit_peers,
+    on_hosts,
+    rings,
+    shape_every_link,
+)
+
+from netem import LinkProfile
+from netem.lab import Lab
+from netem.probe import inside
+from testbed.collectives.gloo import Gloo
+
+pytestmark = pytest.mark.netem_kernel
+
+WORLD, NUMEL = 4, 100_000
+LINK = LinkProfile.parse(delay="5ms", jitter="1ms", loss="5%", rate="100mbit")
+WAIT = 60.0  # seconds a worker may take before the test fails
+
+
+@pytest.fixture(scope="module")
+def lab() -> Iterator[Lab]:
+    """One shaped lab for the module: building and shaping one takes about 9 s in the guest.
+    Each test uses ports of its own, so none meets what an earlier one left in TIME_WAIT."""
+    with Lab(WORLD) as built:
+        shape_every_link(built, LINK, backend="netem")
+        yield built
+
+
+def inputs(numel: int = NUMEL) -> list[torch.Tensor]:
+    return [torch.randn(numel, generator=torch.Generator().manual_seed(rank))
+            for rank in range(WORLD)]
+
+
+def gloo_worker(netns: str, rank: int, master: tuple[str, int], results) -> None:
+    """One gloo rank in a forked process, in its host's namespace."""
+    os.environ["GLOO_SOCKET_IFNAME"] = "eth0"  # not the address the host name resolves to
+    torch.set_num_threads(1)
+    with inside(netns):
+        gloo = Gloo(rank, WORLD, master=master, timeout=WAIT)
+        try:
+            result, stats = gloo.allreduce(inputs()[rank], 0)
+            results.put((rank, stats.collective, result.numpy()))
+        finally:
+            gloo.close()
+
+
+def test_gloo_is_exact_across_netem_links(lab):
+    """First in the file: forking is safest while this process has started few threads."""
+    context = multiprocessing.get_context("fork")  # torch is imported already: 14 s saved each
+    results = context.Queue()
+    processes = [context.Process(target=gloo_worker, args=(host.netns, rank,
+                                                           addresses(lab, 29500)[0], results))
+                 for rank, host in enumerate(lab.hosts)]
+    for process in processes:
+        process.start()
+    collected: dict[int, np.ndarray] = {}
+    deadline = time.monotonic() + WAIT
+    try:
+        while len(collected) < WORLD:
+            try:
+                rank, name, result = results.get(timeout=0.5)
+            except queue.Empty:
+                dead = [p.exitcode for p in processes if p.exitcode not in (None, 0)]
+                assert not dead, f"a gloo worker exited with {dead[0]} (its traceback is above)"
+                assert time.monotonic() < deadline, f"gloo gave no result within {WAIT} s"
+                continue
+            assert name == "gloo"
+            collected[rank] = result
+        for process in processes:
+            process.join(WAIT)
+            assert process.exitcode == 0, f"a gloo worker exited with {process.exitcode}"
+    finally:
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+    expected = torch.stack(inputs()).mean(0)
+    for result in collected.values():
+        torch.testing.assert_close(torch.from_numpy(result), expected)
+
+
+def test_ring_is_exact_across_netem_links_and_counts_retransmits(lab):
+    workers = rings(lab, port=29510, timeout=WAIT)
+    try:
+        given = inputs()
+        expected = torch.stack(given).mean(0)
+        for step in range(2):
+            results = on_hosts(lab, [lambda r=r, s=step: workers[r].allreduce(given[r], s)
+                                     for r in range(WORLD)])
+            for result, _ in results:
+                torch.testing.assert_close(result, expected, rtol=1e-5, atol=1e-6)
+        retransmits = sum(stats.extra["tcp_retransmits"] for _, stats in results)
+        assert retransmits > 0, "5% loss on every link, yet TCP retransmitted nothing"
+    finally:
+        close_all(lab, workers)
+
+
+def test_lossy_all_reduce_estimates_the_mean_across_netem_links(lab):
+    # The learned deadline: one CPU runs every worker, so owners start their broadcasts far
+    # apart; a broadcast's wait must reach past the slowest owner's gather, not end early.
+    group = lossy_workers(lab, port=29520)
+    try:
+        mean = torch.randn(NUMEL, generator=torch.Generator().manual_seed(10))
+        given = [mean + 0.1 * torch.randn(NUMEL, generator=torch.Generator().manual_seed(r))
+                 for r in range(1, WORLD + 1)]
+        expected = torch.stack(given).mean(0)
+        lost = [0.0] * WORLD
+        for step in range(3):
+            results = on_hosts(lab, [lambda r=r, s=step: group[r].allreduce(given[r], s)
+                                     for r in range(WORLD)])
+            for rank, (result, stats) in enumerate(results):
+                error = (result - expected).norm() / expected.norm()
+                alone = (given[rank] - expected).norm() / expected.norm()
+                assert error < 0.8 * alone, f"step {step}: relative error {error:.3f}"
+                # 5% of ~70 datagrams per shard and peer are lost: some always are. Where
+                # they are, fewer workers' values make up the estimate (~0.94 on average).
+                assert 0.75 < stats.coverage < 1.0, f"step {step}: coverage {stats.coverage}"
+                lost[rank] += stats.extra["datagrams_lost"]
+        assert all(count > 0 for count in lost), \
+            f"sequence numbers must show the datagrams netem dropped: {lost}"
+    finally:
+        close_all(lab, group)
+
+
+def test_moshpit_reaches_the_exact_mean_across_netem_links(lab):
+    # Generous times: one slow CPU runs every peer; a late heartbeat must not count as a death.
+    peers = moshpit_peers(lab, port=29530, group_size=2, timeout=10.0, heartbeat=0.5,
+                          expiry=10.0)
+    try:
+        assert peers[0].grid.sides == (2, 2)
+        for step in range(2):
+            given = [tensor + step for tensor in inputs()]
+            results = on_hosts(lab, [lambda r=r, s=step, g=given: peers[r].allreduce(g[r], s)
+                                     for r in range(WORLD)])
+            expected = torch.stack(given).mean(0)
+            for result, stats in results:
+                torch.testing.assert_close(result, expected)
+                assert stats.peers_missing == () and stats.coverage == pytest.approx(1.0)
+                assert [r.round_index for r in stats.rounds] == [0, 1]
+    finally:
+        close_all(lab, peers)
