@@ -509,3 +509,58 @@ def report(
     for name, reason in rendered.skipped.items():
         typer.echo(f"{name}.png not drawn: {reason}")
     typer.echo(f"report: {rendered.html}")
+
+
+scenario_app = typer.Typer(
+    help="Scenario files: validate them, and the JSON Schema for editors (docs/scenarios.md).",
+    no_args_is_help=True,
+)
+app.add_typer(scenario_app, name="scenario")
+
+
+@scenario_app.command("schema")
+def scenario_schema(
+    out: Annotated[str | None, typer.Option(
+        "--out", "-o", help="Write the schema to this file instead of printing it.",
+        show_default=False)] = None,
+) -> None:
+    """Print (or write) the JSON Schema of scenario files, for editor completion and checks."""
+    import json
+    from pathlib import Path
+
+    from testbed.scenario import json_schema
+
+    text = json.dumps(json_schema(), indent=2) + "\n"
+    if out is None:
+        typer.echo(text, nl=False)
+    else:
+        Path(out).write_text(text)
+        typer.echo(f"schema: {out}")
+
+
+@scenario_app.command("check")
+def scenario_check(
+    files: Annotated[list[str], typer.Argument(help="Scenario files (YAML).",
+                                               show_default=False)],
+    steps: Annotated[int | None, typer.Option(
+        min=1, help="Check the scenario shortened to this many steps (as CI runs it).",
+        show_default=False)] = None,
+) -> None:
+    """Validate scenario files: one summary line per good file, every problem of a bad one
+    (path, line, what is allowed). Exit code 1 if any file is bad."""
+    from pathlib import Path
+
+    from testbed.scenario import ScenarioError, load_scenario
+
+    bad = 0
+    for name in files:
+        try:
+            scenario = load_scenario(Path(name), steps=steps)
+        except ScenarioError as error:
+            bad += 1
+            typer.echo(str(error), err=True)
+        else:
+            typer.echo(f"ok {name}: {scenario.summary()}")
+    if bad:
+        typer.echo(f"{bad} of {len(files)} scenario file(s) invalid", err=True)
+        raise typer.Exit(1)

@@ -20,23 +20,43 @@ KINDS = {
 }
 
 
-def create(kind: str, rank: int, world: int, **options: object) -> Collective:
-    """Worker `rank`'s end of collective `kind`; a bad kind or option names what is allowed."""
+# Options the cluster supplies from the placement and the topology (addresses, ports, the MTU,
+# the congestion control, test hooks); a scenario sets only the others.
+PLACEMENT_OPTIONS = frozenset({
+    "addresses", "stream_addresses", "master", "store", "listen", "serve_store", "run_id",
+    "congestion", "mtu", "listener", "endpoint", "test_loss",
+})
+
+
+def constructor(kind: str) -> type[Collective]:
+    """The class of collective `kind` (imported on first use); a bad kind names the allowed."""
     if kind not in KINDS:
         raise ValueError(f"collective.kind: expected one of {', '.join(KINDS)}, got {kind!r}")
     module, _, name = KINDS[kind].partition(":")
-    constructor = getattr(importlib.import_module(module), name)
-    allowed = [
-        parameter.name
-        for parameter in inspect.signature(constructor).parameters.values()
+    return getattr(importlib.import_module(module), name)
+
+
+def options(kind: str) -> dict[str, inspect.Parameter]:
+    """The options of collective `kind`: its constructor's keyword-only parameters, by name."""
+    return {
+        parameter.name: parameter
+        for parameter in inspect.signature(constructor(kind)).parameters.values()
         if parameter.kind is inspect.Parameter.KEYWORD_ONLY
-    ]
-    unknown = sorted(set(options) - set(allowed))
+    }
+
+
+def create(kind: str, rank: int, world: int, **given: object) -> Collective:
+    """Worker `rank`'s end of collective `kind`; a bad kind or option names what is allowed."""
+    allowed = list(options(kind))
+    unknown = sorted(set(given) - set(allowed))
     if unknown:
         raise ValueError(
             f"collective.{unknown[0]}: not an option of {kind!r}; allowed: {', '.join(allowed)}"
         )
-    return constructor(rank, world, **options)
+    return constructor(kind)(rank, world, **given)
 
 
-__all__ = ["KINDS", "AllReduceStats", "Collective", "create"]
+__all__ = [
+    "KINDS", "PLACEMENT_OPTIONS", "AllReduceStats", "Collective", "constructor", "create",
+    "options",
+]

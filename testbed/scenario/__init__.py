@@ -1,0 +1,46 @@
+"""Scenario files: one YAML file describes a run (workers, topology, job, collective, faults,
+metrics); `load_scenario` validates it into a `Scenario` or raises one `ScenarioError` listing
+every bad field with its path, line and what is allowed (docs/scenarios.md)."""
+
+from testbed.scenario.load import Problem, ScenarioError, load_scenario, scenario_files
+from testbed.scenario.model import (
+    ACTIONS,
+    COLLECTIVES,
+    Event,
+    Link,
+    RampLink,
+    Scenario,
+    Selector,
+    SetLink,
+    StragglerBurst,
+    Topology,
+    WorkerOverride,
+    Workers,
+    json_schema,
+    partition_pairs,
+    patch_profile,
+    resolve_link,
+)
+
+__all__ = [
+    "ACTIONS",
+    "COLLECTIVES",
+    "Event",
+    "Link",
+    "Problem",
+    "RampLink",
+    "Scenario",
+    "ScenarioError",
+    "Selector",
+    "SetLink",
+    "StragglerBurst",
+    "Topology",
+    "WorkerOverride",
+    "Workers",
+    "json_schema",
+    "load_scenario",
+    "partition_pairs",
+    "patch_profile",
+    "resolve_link",
+    "scenario_files",
+]

@@ -1,0 +1,730 @@
+"""The scenario model: workers, topology, job, collective, fault timeline and metrics of one run.
+
+Every section has defaults, so five lines make a complete scenario; every model forbids unknown
+fields. Link profiles are `netem.LinkProfile` itself, the job is `testbed.train.TrainConfig`
+itself, straggler distributions are `testbed.train.stragglers.StragglerSpec`, and a collective's
+options are its constructor's (`testbed.collectives.options`), so each is validated in one place.
+Checks that need several sections (a worker index against the count, a group name against the
+groups) run once the fields are valid and report each problem at its own path (`Problems`).
+"""
+
+from __future__ import annotations
+
+import typing
+from collections.abc import Callable, Iterator, Mapping
+from functools import reduce
+from operator import or_
+from typing import Annotated, Any, Literal, get_args
+
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    create_model,
+    field_validator,
+    model_validator,
+)
+from pydantic.json_schema import GenerateJsonSchema
+
+from netem.profile import BitsPerSecond, Fraction, LinkProfile, ProfileError, Seconds
+from netem.units import FRACTION_HELP, RATE_HELP, TIME_HELP
+from testbed import collectives
+from testbed.metrics.drift import DEFAULT_K
+from testbed.train.config import TrainConfig, _threshold
+from testbed.train.stragglers import StragglerSpec
+
+Loc = tuple[str | int, ...]
+ALL = "all"  # reserved group name: every worker (in `heal`, every partition)
+CONGESTION = ("cubic", "bbr")
+Congestion = Literal["cubic", "bbr"]
+
+
+class Problems(ValueError):
+    """Problems found across sections, each at its path relative to the model that found them."""
+
+    def __init__(self, problems: list[tuple[Loc, str]]) -> None:
+        self.problems = problems
+        super().__init__("; ".join(f"{dotted(loc)}: {message}" for loc, message in problems))
+
+
+def dotted(loc: Loc) -> str:
+    """`('topology', 'links', 2, 'profile', 'loss')` -> `topology.links[2].profile.loss`."""
+    text = ""
+    for part in loc:
+        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
+    return text
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
+
+
+# --- small types --------------------------------------------------------------------------------
+
+
+def _endpoint(value: Any) -> Any:
+    if isinstance(value, bool) or not isinstance(value, int | str) or value == "":
+        raise ValueError(f"expected a worker index or a group name, got {value!r}")
+    if isinstance(value, int) and value < 0:
+        raise ValueError(f"expected a worker index (0 or more) or a group name, got {value}")
+    return value
+
+
+def _as_list(value: Any) -> Any:
+    """One item or a list of them."""
+    return value if isinstance(value, list | tuple) else [value]
+
+
+def _worker_count(value: Any) -> Any:
+    """`workers: 4` is `workers: {count: 4}`."""
+    if isinstance(value, bool | str | float):
+        raise ValueError(
+            f"expected a number of workers or a mapping {{count, overrides}}, got {value!r}"
+        )
+    return {"count": value} if isinstance(value, int) else value
+
+
+Endpoint = Annotated[int | str, BeforeValidator(_endpoint)]
+WorkerIndex = Annotated[int, Field(ge=0, strict=True)]
+WorkerList = Annotated[list[WorkerIndex], Field(min_length=1), BeforeValidator(_as_list)]
+GroupName = Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_.-]*$")]
+GroupList = Annotated[list[GroupName], Field(min_length=1), BeforeValidator(_as_list)]
+PositiveSeconds = Annotated[Seconds, Field(gt=0)]
+
+
+# --- links --------------------------------------------------------------------------------------
+
+
+class Selector(_Model):
+    """Which directed links: `from` and `to` (a worker index or a group name each), or `between`
+    two of them (both directions). Nothing given: every link."""
+
+    src: Endpoint | None = Field(default=None, alias="from")
+    dst: Endpoint | None = Field(default=None, alias="to")
+    between: tuple[Endpoint, Endpoint] | None = None
+
+    @model_validator(mode="after")
+    def _one_form(self) -> Selector:
+        if (self.src is None) != (self.dst is None):
+            raise ValueError("give both from and to (one direction), or between (both)")
+        if self.between is not None and self.src is not None:
+            raise ValueError("give from/to (one direction) or between (both), not both")
+        return self
+
+    @property
+    def is_all(self) -> bool:
+        return self.src is None and self.between is None
+
+    @property
+    def endpoints(self) -> tuple[Endpoint, ...]:
+        if self.between is not None:
+            return self.between
+        return () if self.src is None else (self.src, self.dst)
+
+    @property
+    def specificity(self) -> int:
+        """How many ends are single workers: a more specific link wins over a less specific."""
+        return sum(isinstance(end, int) for end in self.endpoints)
+
+    def matches(self, groups: Mapping[str, list[int]], src: int, dst: int) -> bool:
+        """Whether the directed link src -> dst is one of these."""
+        if src == dst:
+            return False
+        if self.is_all:
+            return True
+
+        def member(worker: int, end: Endpoint) -> bool:
+            return worker == end if isinstance(end, int) else worker in groups.get(end, ())
+
+        if self.between is not None:
+            a, b = self.between
+            return (member(src, a) and member(dst, b)) or (member(src, b) and member(dst, a))
+        return member(src, self.src) and member(dst, self.dst)
+
+    def pairs(self, groups: Mapping[str, list[int]], count: int) -> list[tuple[int, int]]:
+        """Every directed link (src, dst) selected, in order."""
+        return [
+            (s, d) for s in range(count) for d in range(count) if self.matches(groups, s, d)
+        ]
+
+    def describe(self) -> str:
+        if self.is_all:
+            return "all links"
+        if self.between is not None:
+            return f"{self.between[0]}<->{self.between[1]}"
+        return f"{self.src}->{self.dst}"
+
+
+class Link(Selector):
+    """A profile for some links, overriding the default (and less specific links)."""
+
+    profile: LinkProfile
+
+    @model_validator(mode="after")
+    def _selects(self) -> Link:
+        if self.is_all:
+            raise ValueError("give from and to, or between: the default covers every link")
+        return self
+
+
+class Topology(_Model):
+    """The network between the workers. Every directed link i -> j gets `default`, unless a
+    link in `links` selects it; of several, the one naming more single workers wins."""
+
+    default: LinkProfile = Field(default=LinkProfile(), description="Every link's profile "
+                                 "unless `links` selects it (default: a perfect link).")
+    groups: dict[GroupName, Annotated[list[WorkerIndex], Field(min_length=1)]] = Field(
+        default={}, description="Named, disjoint sets of workers, e.g. regions.")
+    links: list[Link] = Field(default=[], description="Profiles of some links: from/to (one "
+                              "direction) or between (both); the most specific wins.")
+    mtu: int = Field(default=1500, ge=576, le=9000, description="MTU of every link.")
+    congestion: Congestion = Field(default="cubic", description="Every worker's TCP congestion "
+                                   "control (recorded with the run).")
+
+
+def resolve_link(topology: Topology, src: int, dst: int) -> LinkProfile:
+    """The profile of the directed link src -> dst: the most specific link that selects it
+    (worker->worker over worker->group over group->group), else the default. Validation makes
+    sure no two links select one pair with the same specificity, so the order does not matter."""
+    best: Link | None = None
+    for link in topology.links:
+        if link.matches(topology.groups, src, dst) and (
+            best is None or link.specificity > best.specificity
+        ):
+            best = link
+    return topology.default if best is None else best.profile
+
+
+def _link_patch_model() -> type[BaseModel]:
+    """`LinkProfile`'s fields, types and field validators, every field optional: a change to a
+    link, checked as a whole once applied to the link's profile (`patch_profile`)."""
+    fields: dict[str, Any] = {}
+    for name, info in LinkProfile.model_fields.items():
+        annotation = Annotated[(info.annotation, *info.metadata)] if info.metadata else (
+            info.annotation)
+        fields[name] = (annotation | None, Field(default=None, alias=info.alias))
+    validators = {
+        decorator.cls_var_name: field_validator(*decorator.info.fields, mode=decorator.info.mode)(
+            classmethod(decorator.func.__func__))
+        for decorator in LinkProfile.__pydantic_decorators__.field_validators.values()
+    }
+    model = create_model("LinkPatch", __base__=_Model, __validators__=validators, **fields)
+    model.__doc__ = ("Some fields of a link profile (same units as LinkProfile); the others stay "
+                     "as they are, and null resets a field to its default.")
+    return model
+
+
+LinkPatch = _link_patch_model()
+
+
+def patch_profile(current: LinkProfile, change: BaseModel) -> LinkProfile:
+    """`current` with the fields given in `change` (a `LinkPatch`) replaced; a field given as
+    null goes back to its default. Raises `ProfileError` if the result is not a valid profile."""
+    merged = {**current.model_dump(by_alias=True),
+              **change.model_dump(include=set(change.model_fields_set), by_alias=True)}
+    return LinkProfile.parse({key: value for key, value in merged.items() if value is not None})
+
+
+def _profile_message(error: ProfileError) -> str:
+    return "; ".join(line.strip() for line in str(error).splitlines()[1:])
+
+
+# --- workers ------------------------------------------------------------------------------------
+
+
+class WorkerOverride(_Model):
+    """Settings of some workers that differ from the others'."""
+
+    worker: WorkerList
+    straggler: StragglerSpec | None = None
+    slowdown: float = Field(default=1.0, ge=1.0)
+    congestion: Congestion | None = None
+
+    @model_validator(mode="after")
+    def _overrides_something(self) -> WorkerOverride:
+        if self.model_fields_set <= {"worker"}:
+            raise ValueError("give at least one of straggler, slowdown, congestion")
+        return self
+
+
+class Workers(_Model):
+    """`count` workers (ranks 0..count-1); `overrides` set single workers apart."""
+
+    count: int = Field(ge=1, le=256)
+    overrides: list[WorkerOverride] = []
+
+
+# --- collective ---------------------------------------------------------------------------------
+
+
+class _Collective(_Model):
+    kind: str
+
+    def options(self) -> dict[str, Any]:
+        """The options given, for `testbed.collectives.create(kind, rank, world, **options,
+        **placement)`; the cluster adds the placement ones (`PLACEMENT_OPTIONS`)."""
+        return self.model_dump(exclude={"kind"}, exclude_unset=True)
+
+
+def _collective_model(kind: str) -> type[_Collective]:
+    constructor = collectives.constructor(kind)
+    hints = typing.get_type_hints(constructor.__init__)
+    fields: dict[str, Any] = {"kind": (Literal[kind], ...)}
+    for name, parameter in collectives.options(kind).items():
+        if name not in collectives.PLACEMENT_OPTIONS:
+            default = ... if parameter.default is parameter.empty else parameter.default
+            fields[name] = (hints[name], default)
+    model = create_model(f"{kind.capitalize()}Collective", __base__=_Collective, **fields)
+    model.__doc__ = f"Collective {kind!r}: the options of {constructor.__qualname__}."
+    return model
+
+
+COLLECTIVES: dict[str, type[_Collective]] = {kind: _collective_model(kind) for kind in
+                                             collectives.KINDS}
+CollectiveSpec = Annotated[reduce(or_, COLLECTIVES.values()), Field(discriminator="kind")]
+
+
+# --- metrics ------------------------------------------------------------------------------------
+
+
+class Metrics(_Model):
+    """What the workers export besides their per-step events: `/metrics` on `port` in each
+    worker's namespace (0: any free port), parameter drift every `drift_every` steps (0: never)
+    from a `drift_k`-dimensional random projection, and a probe of every link before training
+    (`probe_links`: configured against measured, as `testbed probe` does)."""
+
+    port: int = Field(default=9100, ge=0, le=65535)
+    drift_every: int = Field(default=10, ge=0)
+    drift_k: int = Field(default=DEFAULT_K, ge=1)
+    probe_links: bool = False
+
+
+# --- timeline -----------------------------------------------------------------------------------
+
+
+RAMPABLE = (
+    "delay", "jitter", "delay_correlation", "loss", "loss_correlation", "duplicate",
+    "duplicate_correlation", "corrupt", "corrupt_correlation", "reorder", "reorder_correlation",
+    "rate",
+)
+
+
+class SetLink(_Model):
+    """Change the selected links: the fields of `profile` replace theirs, the others stay."""
+
+    link: Selector = Selector()
+    profile: LinkPatch
+
+    def apply(self, current: LinkProfile) -> LinkProfile:
+        return patch_profile(current, self.profile)
+
+
+class RampLink(_Model):
+    """Move some fields of the selected links linearly from `from` (default: their values when
+    the ramp starts) to `to` over `over` seconds, in updates `every` seconds apart."""
+
+    link: Selector = Selector()
+    start: LinkPatch | None = Field(default=None, alias="from")
+    to: LinkPatch
+    over: PositiveSeconds
+    every: PositiveSeconds = 1.0
+
+    @model_validator(mode="after")
+    def _rampable(self) -> RampLink:
+        fields = self.to.model_fields_set
+        if not fields:
+            raise ValueError("to: give the fields to ramp")
+        fixed = sorted(fields - set(RAMPABLE))
+        if fixed:
+            raise ValueError(f"to: cannot ramp {', '.join(fixed)}; rampable: {', '.join(RAMPABLE)}")
+        if any(getattr(self.to, name) is None for name in fields):
+            raise ValueError("to: a ramp needs a value for every field it moves, not null")
+        if self.start is not None and self.start.model_fields_set != fields:
+            raise ValueError(f"from: give the same fields as to ({', '.join(sorted(fields))})")
+        if "rate" in fields and self.start is None:
+            raise ValueError("a rate ramp needs from.rate (a link may have no rate to start from)")
+        return self
+
+    def profile_at(self, current: LinkProfile, elapsed: float) -> LinkProfile:
+        """The profile `elapsed` seconds into the ramp of a link whose profile was `current`
+        when the ramp started."""
+        start = patch_profile(current, self.start) if self.start else current
+        share = min(max(elapsed / self.over, 0.0), 1.0)
+        values = {}
+        for name in self.to.model_fields_set:
+            a, b = getattr(start, name), getattr(self.to, name)
+            value = a + (b - a) * share
+            values[name] = round(value) if name == "rate" else value
+        return LinkProfile.parse({**start.model_dump(by_alias=True), **values})
+
+
+class StragglerBurst(_Model):
+    """Add `delay` to every step of `workers` for `duration` seconds or `steps` steps."""
+
+    workers: WorkerList
+    delay: StragglerSpec
+    duration: PositiveSeconds | None = None
+    steps: int | None = Field(default=None, ge=1)
+
+    @model_validator(mode="after")
+    def _how_long(self) -> StragglerBurst:
+        if (self.duration is None) == (self.steps is None):
+            raise ValueError("give exactly one of duration (seconds) or steps")
+        return self
+
+
+ACTIONS = ("set_link", "ramp_link", "partition", "heal", "kill", "restart", "straggler_burst")
+
+
+class Event(_Model):
+    """One fault, at a time (`at`, seconds since training started) or a step (`step`, before
+    that step starts), with exactly one action."""
+
+    at: Seconds | None = Field(default=None, description="Seconds since training started.")
+    step: int | None = Field(default=None, ge=0, description="Before this step starts.")
+    note: str = Field(default="", description="Shown in the event log.")
+    set_link: SetLink | None = None
+    ramp_link: RampLink | None = None
+    partition: GroupList | None = None
+    heal: GroupList | None = None
+    kill: WorkerList | None = None
+    restart: WorkerList | None = None
+    straggler_burst: StragglerBurst | None = None
+
+    @model_validator(mode="after")
+    def _when_and_what(self) -> Event:
+        if (self.at is None) == (self.step is None):
+            raise ValueError("give exactly one of at (seconds, e.g. 30s) or step (a step number)")
+        given = [name for name in ACTIONS if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ValueError(
+                f"give exactly one action of {', '.join(ACTIONS)}; got {', '.join(given) or 'none'}"
+            )
+        return self
+
+    @property
+    def action(self) -> str:
+        return next(name for name in ACTIONS if getattr(self, name) is not None)
+
+    @property
+    def clock(self) -> tuple[str, float]:
+        """`('at', seconds)` or `('step', n)`."""
+        return ("at", self.at) if self.at is not None else ("step", self.step)
+
+    def describe(self) -> str:
+        """One line for the event log: when, what, on what."""
+        when = f"at {self.at:g}s" if self.at is not None else f"step {self.step}"
+        value = getattr(self, self.action)
+        if isinstance(value, SetLink):
+            what = f"{value.link.describe()} {_patch_text(value.profile)}"
+        elif isinstance(value, RampLink):
+            start = _patch_text(value.start) if value.start else "current"
+            what = (f"{value.link.describe()} {start} -> {_patch_text(value.to)} "
+                    f"over {value.over:g}s")
+        elif isinstance(value, StragglerBurst):
+            span = f"{value.duration:g}s" if value.duration else f"{value.steps} steps"
+            what = f"workers {value.workers} +{value.delay.mean_seconds:g}s/step for {span}"
+        else:
+            what = ", ".join(map(str, value))
+        return f"{when}: {self.action} {what}" + (f" ({self.note})" if self.note else "")
+
+
+def _patch_text(patch: BaseModel) -> str:
+    given = patch.model_dump(include=set(patch.model_fields_set))
+    shown = LinkProfile.model_construct(**{k: v for k, v in given.items() if v is not None})
+    text = [f"{key}={value}" for key, value in shown.to_spec().items()]
+    text += [f"{key}=default" for key, value in given.items() if value is None]
+    return " ".join(text) or "(nothing)"
+
+
+def partition_pairs(
+    groups: Mapping[str, list[int]], names: list[str], count: int
+) -> set[tuple[int, int]]:
+    """The directed links a partition of `names` cuts: between workers of different listed
+    groups; a single group is cut from every worker outside it."""
+    members = [set(groups[name]) for name in names]
+    if len(members) == 1:
+        inside = members[0]
+        return {
+            (s, d) for s in range(count) for d in range(count) if (s in inside) != (d in inside)
+        }
+    cut = set()
+    for i, a in enumerate(members):
+        for b in members[i + 1:]:
+            cut |= {(s, d) for s in a for d in b} | {(d, s) for s in a for d in b}
+    return cut
+
+
+# --- the scenario -------------------------------------------------------------------------------
+
+
+class Scenario(_Model):
+    """One run: who trains what over which network, and what goes wrong when."""
+
+    name: str = Field(default="scenario", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
+                      description="Names the run (default: the file's name).")
+    description: str = Field(default="", description="Free text for the report.")
+    seed: int = Field(default=0, ge=0, description="The run's one seed (model, data, stragglers).")
+    workers: Annotated[Workers, BeforeValidator(_worker_count)] = Field(
+        default=Workers(count=4), description="A count, or {count, overrides}.")
+    topology: Topology = Field(default=Topology(), description="The links between the workers.")
+    job: TrainConfig = Field(default=TrainConfig(), description="What every worker trains "
+                             "(testbed.train.TrainConfig; seed is set at the top level).")
+    collective: CollectiveSpec = Field(
+        default=COLLECTIVES["ring"](kind="ring"),
+        description=f"kind ({', '.join(collectives.KINDS)}) and that collective's options.")
+    timeline: list[Event] = Field(default=[], description="Faults, at a time or a step, in "
+                                  "the order they happen.")
+    metrics: Metrics = Metrics()
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Scenario:
+        problems = [*self._check_workers(), *self._check_topology(), *self._check_timeline()]
+        if self.job.strategy == "sharded" and not hasattr(
+                collectives.constructor(self.collective.kind), "step"):
+            owners = [k for k in collectives.KINDS if hasattr(collectives.constructor(k), "step")]
+            problems.append((("job", "strategy"), f"sharded needs a collective that owns the "
+                             f"update (step()): {', '.join(owners)}; got {self.collective.kind}"))
+        if "seed" in self.job.model_fields_set:
+            problems.append((("job", "seed"), "set seed at the top level of the scenario"))
+        if problems:
+            raise Problems(problems)
+        return self
+
+    # -- checks across sections
+
+    def _worker_problems(self, loc: Loc, workers: list[int]) -> Iterator[tuple[Loc, str]]:
+        count = self.workers.count
+        for i, worker in enumerate(workers):
+            if worker >= count:
+                yield (*loc, i), f"no worker {worker}: workers are 0..{count - 1}"
+
+    def _group_problems(self, loc: Loc, names: list[str], allow_all: bool = False):
+        allowed = [*self.topology.groups, *([ALL] if allow_all else [])]
+        for i, name in enumerate(names):
+            if name not in allowed:
+                listing = ", ".join(allowed) or "none defined (topology.groups)"
+                yield (*loc, i), f"unknown group {name!r}; allowed: {listing}"
+
+    def _check_workers(self) -> Iterator[tuple[Loc, str]]:
+        seen: dict[int, int] = {}
+        for i, override in enumerate(self.workers.overrides):
+            loc = ("workers", "overrides", i, "worker")
+            yield from self._worker_problems(loc, override.worker)
+            for worker in override.worker:
+                if worker in seen:
+                    yield loc, f"worker {worker} is already overridden in overrides[{seen[worker]}]"
+                seen.setdefault(worker, i)
+
+    def _check_topology(self) -> Iterator[tuple[Loc, str]]:
+        groups = self.topology.groups
+        owner: dict[int, str] = {}
+        for name, members in groups.items():
+            loc = ("topology", "groups", name)
+            if name == ALL:
+                yield loc, f"{ALL!r} is reserved: it means every worker"
+            yield from self._worker_problems(loc, members)
+            for worker in members:
+                if worker in owner:
+                    yield loc, f"worker {worker} is already in group {owner[worker]!r}"
+                owner.setdefault(worker, name)
+        bad_ends = [problem for j, link in enumerate(self.topology.links)
+                    for problem in self._endpoint_problems(("topology", "links", j), link)]
+        if bad_ends:
+            yield from bad_ends
+            return
+        claimed: dict[tuple[int, int, int], int] = {}
+        for j, link in enumerate(self.topology.links):
+            pairs = link.pairs(groups, self.workers.count)
+            if not pairs:
+                yield ("topology", "links", j), f"{link.describe()} selects no link"
+            for s, d in pairs:
+                i = claimed.setdefault((s, d, link.specificity), j)
+                if i != j:
+                    yield (("topology", "links", j), f"{link.describe()} sets {s}->{d} like "
+                           f"links[{i}], with the same precedence: merge them or name a worker")
+                    break
+
+    def _endpoint_problems(self, loc: Loc, selector: Selector) -> Iterator[tuple[Loc, str]]:
+        if selector.between is not None:
+            ends = [((*loc, "between", k), end) for k, end in enumerate(selector.between)]
+        else:
+            ends = [((*loc, "from"), selector.src), ((*loc, "to"), selector.dst)]
+        for where, end in ends:
+            if isinstance(end, int) and end >= self.workers.count:
+                yield where, f"no worker {end}: workers are 0..{self.workers.count - 1}"
+            elif isinstance(end, str) and end not in self.topology.groups:
+                listing = ", ".join(self.topology.groups) or "none defined (topology.groups)"
+                yield where, f"unknown group {end!r}; allowed: {listing}"
+
+    def _check_timeline(self) -> Iterator[tuple[Loc, str]]:
+        kills: list[tuple[int, str, float]] = []  # (worker, clock, when)
+        state = self.links()  # each link's profile as the events so far (in file order) left it
+        for i, event in enumerate(self.timeline):
+            loc: Loc = ("timeline", i)
+            value = getattr(event, event.action)
+            if event.step is not None and event.step >= self.job.steps:
+                yield (*loc, "step"), (f"step {event.step} is never reached: the job has steps "
+                                       f"0..{self.job.steps - 1}")
+            if isinstance(value, SetLink | RampLink):
+                bad_ends = list(self._endpoint_problems((*loc, event.action, "link"), value.link))
+                yield from bad_ends
+                if not bad_ends:
+                    yield from self._apply_to_links(loc, event.action, value, state)
+            elif event.action == "partition":
+                yield from self._group_problems((*loc, "partition"), value)
+            elif event.action == "heal":
+                yield from self._group_problems((*loc, "heal"), value, allow_all=True)
+            elif event.action in ("kill", "restart"):
+                yield from self._worker_problems((*loc, event.action), value)
+            elif isinstance(value, StragglerBurst):
+                yield from self._worker_problems((*loc, "straggler_burst", "workers"),
+                                                 value.workers)
+            clock, when = event.clock
+            if event.action == "kill":
+                for worker in value:
+                    kills.append((worker, clock, when))
+            elif event.action == "restart":
+                for worker in value:
+                    if not any(w == worker and (c != clock or t <= when) for w, c, t in kills):
+                        yield (*loc, "restart"), f"worker {worker} is restarted before any kill"
+
+    def _apply_to_links(self, loc: Loc, action: str, change: SetLink | RampLink,
+                        state: dict[tuple[int, int], LinkProfile]) -> Iterator[tuple[Loc, str]]:
+        pairs = change.link.pairs(self.topology.groups, self.count)
+        if not pairs:
+            yield (*loc, action, "link"), f"{change.link.describe()} selects no link"
+        for pair in pairs:
+            try:
+                if isinstance(change, SetLink):
+                    state[pair] = change.apply(state[pair])
+                else:
+                    change.profile_at(state[pair], 0.0)
+                    state[pair] = change.profile_at(state[pair], change.over)
+            except ProfileError as error:
+                where = (*loc, action, "profile" if isinstance(change, SetLink) else "to")
+                yield where, f"on link {pair[0]}->{pair[1]}: {_profile_message(error)}"
+                return
+
+    # -- what the cluster needs
+
+    @property
+    def count(self) -> int:
+        return self.workers.count
+
+    def override(self, worker: int) -> WorkerOverride | None:
+        return next((o for o in self.workers.overrides if worker in o.worker), None)
+
+    def straggler(self, worker: int) -> StragglerSpec | None:
+        """Worker's injected delay: its override's, else the job's (same for all)."""
+        override = self.override(worker)
+        return override.straggler if override and override.straggler else self.job.straggler
+
+    def slowdown(self, worker: int) -> float:
+        override = self.override(worker)
+        return override.slowdown if override else 1.0
+
+    def congestion(self, worker: int) -> str:
+        """The TCP congestion control `worker` uses (record it with the run)."""
+        override = self.override(worker)
+        return (override.congestion if override else None) or self.topology.congestion
+
+    def group(self, worker: int) -> str | None:
+        return next((n for n, members in self.topology.groups.items() if worker in members), None)
+
+    def train_config(self, worker: int) -> TrainConfig:
+        """Worker's `TrainConfig`: the job with the scenario's seed and the worker's straggler."""
+        spec = self.job.model_dump(exclude_unset=True, by_alias=True)
+        spec.update(seed=self.seed, straggler=self.straggler(worker))
+        return TrainConfig.model_validate(spec)
+
+    def link_profile(self, src: int, dst: int) -> LinkProfile:
+        return resolve_link(self.topology, src, dst)
+
+    def links(self) -> dict[tuple[int, int], LinkProfile]:
+        """The profile of every directed link between two workers, before any fault."""
+        return {
+            (s, d): resolve_link(self.topology, s, d)
+            for s in range(self.count) for d in range(self.count) if s != d
+        }
+
+    def with_steps(self, steps: int) -> Scenario:
+        """This scenario shortened (or lengthened) to `steps` steps, e.g. for CI; events at a
+        step move proportionally (same share of the run), events at a time stay."""
+        if steps < 1:
+            raise ValueError(f"steps: expected 1 or more, got {steps}")
+        data = self.model_dump(exclude_unset=True, by_alias=True)
+        scale = steps / self.job.steps
+        data.setdefault("job", {})["steps"] = steps
+        for event in data.get("timeline", []):
+            if event.get("step") is not None:
+                event["step"] = min(int(event["step"] * scale), steps - 1)
+        return Scenario.model_validate(data)
+
+    def summary(self) -> str:
+        """One line: name, workers, network, job, collective, faults."""
+        default = self.topology.default
+        network = [f"default {default}"]
+        if self.topology.groups:
+            network.append(f"groups {', '.join(self.topology.groups)}")
+        if self.topology.links:
+            network.append(f"{len(self.topology.links)} link override(s)")
+        actions = sorted({event.action for event in self.timeline})
+        return (
+            f"{self.name}: {self.count} workers; {'; '.join(network)}; "
+            f"{self.topology.congestion}; job {self.job.model} x {self.job.steps} steps; "
+            f"collective {self.collective.kind}; "
+            f"{len(self.timeline)} event(s){' (' + ', '.join(actions) + ')' if actions else ''}"
+        )
+
+
+# --- JSON Schema --------------------------------------------------------------------------------
+
+_NUMBER = r"-?[0-9]*\.?[0-9]+([eE][-+]?[0-9]+)?"
+
+
+def _units(help_text: str, number: dict, units: str) -> Callable[[dict], dict]:
+    def schema(_inner: dict) -> dict:
+        pattern = rf"^\s*{_NUMBER}\s*({units})\s*$"
+        return {"anyOf": [number, {"type": "string", "pattern": pattern}], "description":
+                help_text}
+    return schema
+
+
+def _before(annotated: Any) -> Callable:
+    return next(m.func for m in get_args(annotated)[1:] if isinstance(m, BeforeValidator))
+
+
+_TIME = _units(TIME_HELP, {"type": "number", "minimum": 0},
+               "|s|sec|ms|msec|us|usec|ns|nsec|S|MS|US|NS")
+# Before-validators that accept more than their inner type (human units, a single item for a
+# list, a count for `workers`), and the JSON Schema of what they accept.
+_WIDER: dict[Callable, Callable[[dict], dict]] = {
+    _before(Seconds): _TIME,
+    _before(Fraction): _units(FRACTION_HELP, {"type": "number", "minimum": 0, "maximum": 1},
+                              "%|"),
+    _before(BitsPerSecond): _units(RATE_HELP, {"type": "number", "exclusiveMinimum": 0},
+                                   "|bit|bps|[kKmMgGtT]bit|[kKmMgG]bps"),
+    _threshold: lambda inner: {"anyOf": [_TIME(inner), {"const": "auto"}],
+                               "description": f"'auto' or {TIME_HELP}"},
+    _as_list: lambda inner: {"anyOf": [inner.get("items", {}), inner]},
+    _worker_count: lambda inner: {"anyOf": [{"type": "integer", "minimum": 1}, inner]},
+}
+
+
+class _SchemaGenerator(GenerateJsonSchema):
+    def function_before_schema(self, schema: Any) -> dict:
+        inner = self.generate_inner(schema["schema"])
+        wider = _WIDER.get(schema["function"]["function"])
+        return wider(inner) if wider else inner
+
+
+def json_schema() -> dict[str, Any]:
+    """The JSON Schema of a scenario file (for editors: completion, inline errors)."""
+    schema = Scenario.model_json_schema(schema_generator=_SchemaGenerator)
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        **schema,
+        "title": "testbed scenario",
+    }

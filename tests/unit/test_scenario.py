@@ -1,0 +1,408 @@
+"""Scenario files: defaults, one clear error per kind of mistake (path, line, what is allowed),
+link resolution per directed pair, the timeline's helpers, the shipped scenarios, the schema."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from netem.profile import LinkProfile
+from testbed.cli import app
+from testbed.scenario import (
+    Scenario,
+    ScenarioError,
+    json_schema,
+    load_scenario,
+    partition_pairs,
+    patch_profile,
+    resolve_link,
+    scenario_files,
+)
+from testbed.scenario.load import SHIPPED
+from testbed.scenario.model import LinkPatch, Topology
+
+QUICKSTART = """\
+name: quickstart
+workers: 4
+topology: {default: {delay: 5ms, loss: 1%}}
+job: {model: mlp, steps: 50}
+collective: {kind: lossy}
+"""
+BASE = "name: x\nworkers: 4\n"
+GROUPS = "topology: {groups: {east: [0, 1], west: [2, 3]}}\n"
+
+SHIPPED_NAMES = {
+    "quickstart", "loss-1", "loss-5", "loss-10", "loss-20", "jitter-wan", "bandwidth-100mbit",
+    "two-regions", "stragglers", "preemption",
+}
+
+
+def problems(text: str) -> list[tuple[str, str, int | None]]:
+    with pytest.raises(ScenarioError) as caught:
+        load_scenario(text)
+    return [(p.path, p.message, p.line) for p in caught.value.problems]
+
+
+# --- defaults -----------------------------------------------------------------------------------
+
+
+def test_five_lines_make_a_complete_scenario():
+    scenario = load_scenario(QUICKSTART)
+    assert scenario.name == "quickstart" and scenario.seed == 0 and scenario.count == 4
+    assert scenario.workers.overrides == []
+    topology = scenario.topology
+    assert topology.default == LinkProfile.parse(delay="5ms", loss="1%")
+    assert (topology.mtu, topology.congestion, topology.groups, topology.links) == (
+        1500, "cubic", {}, [])
+    assert scenario.job.steps == 50 and scenario.job.batch == 32
+    assert scenario.job.optimizer.sgd.lr == 0.1
+    assert scenario.collective.kind == "lossy" and scenario.collective.options() == {}
+    assert scenario.timeline == []
+    assert scenario.metrics.port == 9100 and scenario.metrics.drift_every == 10
+    links = scenario.links()
+    assert len(links) == 12 and set(links.values()) == {topology.default}
+    assert scenario.congestion(3) == "cubic" and scenario.straggler(3) is None
+    config = scenario.train_config(2)
+    assert (config.model, config.steps, config.seed, config.straggler) == ("mlp", 50, 0, None)
+
+
+def test_an_empty_mapping_is_a_scenario_too():
+    scenario = load_scenario("{}\n")
+    assert scenario.count == 4 and scenario.collective.kind == "ring"
+    assert scenario.topology.default.is_perfect
+
+
+def test_a_file_without_name_is_named_after_it(tmp_path: Path):
+    path = tmp_path / "my-run.yaml"
+    path.write_text("workers: 2\n")
+    assert load_scenario(path).name == "my-run"
+    assert load_scenario(str(path)).name == "my-run"
+
+
+# --- errors: path, message, line ----------------------------------------------------------------
+
+
+INVALID = {
+    "unknown top-level key": (
+        BASE + "wrokers: 3\n", "wrokers", "unknown field (did you mean 'workers'?); allowed: name",
+        3),
+    "typo in a nested key": (
+        BASE + "topology:\n  default: {delay: 5ms}\n  congestoin: bbr\n", "topology.congestoin",
+        "did you mean 'congestion'?", 5),
+    "bad unit in loss": (
+        BASE + "topology:\n  links:\n    - {from: 0, to: 1, profile: {loss: 1%}}\n"
+        "    - {from: 1, to: 2, profile: {loss: 1%}}\n"
+        "    - {from: 2, to: 3, profile: {loss: 5 pct}}\n",
+        "topology.links[2].profile.loss", "expected a percentage such as '5%'", 7),
+    "loss above 100%": (
+        BASE + "topology: {default: {loss: 120%}}\n", "topology.default.loss",
+        "a fraction between 0 and 1, got '120%'", 3),
+    "negative delay": (
+        BASE + "topology: {default: {delay: -5ms}}\n", "topology.default.delay",
+        "(not negative), got '-5ms'", 3),
+    "jitter without delay": (
+        BASE + "topology: {default: {jitter: 5ms}}\n", "topology.default",
+        "jitter needs a delay", 3),
+    "unknown collective kind": (
+        BASE + "collective: {kind: allgather}\n", "collective.kind",
+        "unknown collective 'allgather'; allowed: ring, gloo, moshpit, lossy", 3),
+    "unknown collective option": (
+        BASE + "collective:\n  kind: lossy\n  deadline: 3\n", "collective.deadline",
+        "unknown field (did you mean 'deadline_floor'?); allowed: kind, rate", 5),
+    "placement option in a scenario": (
+        BASE + "collective: {kind: ring, addresses: []}\n", "collective.addresses",
+        "allowed: kind, timeout", 3),
+    "bad collective option value": (
+        BASE + "collective: {kind: moshpit, group_size: big}\n", "collective.group_size",
+        "valid integer", 3),
+    "worker out of range in a kill": (
+        BASE + "timeline:\n  - {at: 10s, kill: 7}\n", "timeline[0].kill[0]",
+        "no worker 7: workers are 0..3", 4),
+    "worker out of range in a burst": (
+        BASE + "timeline:\n  - step: 3\n    straggler_burst:\n      workers: [1, 4]\n"
+        "      delay: {fixed: 50ms}\n      steps: 2\n",
+        "timeline[0].straggler_burst.workers[1]", "no worker 4", 6),
+    "unknown group in a partition": (
+        BASE + GROUPS + "timeline:\n  - {step: 3, partition: [east, north]}\n",
+        "timeline[0].partition[1]", "unknown group 'north'; allowed: east, west", 5),
+    "unknown group in a link": (
+        BASE + GROUPS.replace("}}\n", "}, links: [{between: [east, south], profile: {}}]}\n"),
+        "topology.links[0].between[1]", "unknown group 'south'; allowed: east, west", 3),
+    "ramp over zero seconds": (
+        BASE + "timeline:\n  - {at: 1s, ramp_link: {to: {loss: 20%}, over: 0s}}\n",
+        "timeline[0].ramp_link.over", "greater than 0", 4),
+    "ramp of a field that cannot move": (
+        BASE + "timeline:\n  - {at: 1s, ramp_link: {to: {limit: 10}, over: 5s}}\n",
+        "timeline[0].ramp_link", "cannot ramp limit", 4),
+    "both at and step": (
+        BASE + "timeline:\n  - {at: 1s, step: 3, kill: 1}\n", "timeline[0]",
+        "give exactly one of at (seconds, e.g. 30s) or step", 4),
+    "neither at nor step": (
+        BASE + "timeline:\n  - {kill: 1}\n", "timeline[0]", "give exactly one of at", 4),
+    "two actions in one event": (
+        BASE + "timeline:\n  - {at: 1s, kill: 1, restart: 1}\n", "timeline[0]",
+        "got kill, restart", 4),
+    "negative time": (
+        BASE + "timeline:\n  - {at: -1s, kill: 1}\n", "timeline[0].at", "(not negative)", 4),
+    "step never reached": (
+        BASE + "job: {steps: 10}\ntimeline:\n  - {step: 10, kill: 1}\n", "timeline[0].step",
+        "step 10 is never reached: the job has steps 0..9", 5),
+    "restart before any kill": (
+        BASE + "timeline:\n  - {at: 5s, restart: 1}\n  - {at: 9s, kill: 1}\n",
+        "timeline[0].restart", "worker 1 is restarted before any kill", 4),
+    "wrong type for workers": (
+        "name: x\nworkers: four\n", "workers",
+        "expected a number of workers or a mapping {count, overrides}, got 'four'", 2),
+    "congestion not cubic or bbr": (
+        BASE + "topology: {congestion: reno}\n", "topology.congestion",
+        "expected 'cubic' or 'bbr', got 'reno'", 3),
+    "duplicate worker override": (
+        "workers:\n  count: 4\n  overrides:\n    - {worker: 1, slowdown: 2}\n"
+        "    - {worker: [2, 1], slowdown: 3}\n",
+        "workers.overrides[1].worker", "worker 1 is already overridden in overrides[0]", 5),
+    "override that overrides nothing": (
+        "workers: {count: 2, overrides: [{worker: 1}]}\n", "workers.overrides[0]",
+        "give at least one of straggler, slowdown, congestion", 1),
+    "worker in two groups": (
+        BASE + "topology: {groups: {a: [0, 1], b: [1, 2]}}\n", "topology.groups.b",
+        "worker 1 is already in group 'a'", 3),
+    "two links with the same precedence": (
+        BASE + "topology:\n  links:\n    - {from: 0, to: 1, profile: {loss: 1%}}\n"
+        "    - {between: [1, 0], profile: {loss: 2%}}\n",
+        "topology.links[1]", "like links[0], with the same precedence", 6),
+    "half a selector": (
+        BASE + "topology:\n  links:\n    - {from: 0, profile: {loss: 1%}}\n",
+        "topology.links[0]", "give both from and to", 5),
+    "patch that breaks the link": (
+        BASE + "timeline:\n  - {at: 1s, set_link: {profile: {jitter: 5ms}}}\n",
+        "timeline[0].set_link.profile", "on link 0->1: link profile: jitter needs a delay", 4),
+    "seed in the job": (
+        BASE + "job: {seed: 3}\n", "job.seed", "set seed at the top level", 3),
+    "job field validated by TrainConfig": (
+        BASE + "job: {model: gpt}\n", "job.model", "expected 'mlp', 'cnn' or 'char-lm'", 3),
+    "straggler validated by StragglerSpec": (
+        "workers:\n  count: 2\n  overrides:\n    - worker: 1\n"
+        "      straggler: {lognormal: {median: 0s, sigma: 1}}\n",
+        "workers.overrides[0].straggler.lognormal.median", "greater than 0", 5),
+    "sharded with a collective that cannot": (
+        BASE + "job: {strategy: sharded}\ncollective: {kind: ring}\n", "job.strategy",
+        "sharded needs a collective that owns the update (step()): lossy; got ring", 3),
+    "mtu out of range": (
+        BASE + "topology: {mtu: 100000}\n", "topology.mtu", "less than or equal to 9000", 3),
+    "duplicate key": (
+        BASE + "seed: 1\nseed: 2\n", "seed", "duplicate key (first on line 3)", 4),
+    "YAML syntax error": (
+        BASE + "topology: {default: {delay: 5ms}\njob: {steps: 3}\n", "",
+        "YAML syntax: expected ',' or '}'", 4),
+}
+
+
+@pytest.mark.parametrize("case", INVALID, ids=list(INVALID))
+def test_each_mistake_is_named_with_its_path_line_and_what_is_allowed(case: str):
+    text, path, fragment, line = INVALID[case]
+    found = problems(text)
+    assert any(p == path and fragment in m and n == line for p, m, n in found), found
+
+
+def test_yaml_syntax_error_has_line_and_column():
+    with pytest.raises(ScenarioError) as caught:
+        load_scenario("name: x\nworkers: [1, 2\n")
+    problem = caught.value.problems[0]
+    assert problem.line is not None and problem.column is not None
+    assert f"<text>:{problem.line}:{problem.column}: YAML syntax" in str(caught.value)
+
+
+def test_every_bad_field_is_listed_in_one_error_with_the_file_name(tmp_path: Path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("workers: 4\nseed: -1\ntopology: {default: {loss: 5 pct}}\n"
+                    "job: {steps: 0, stepz: 3}\n")
+    with pytest.raises(ScenarioError) as caught:
+        load_scenario(path)
+    paths = {p.path for p in caught.value.problems}
+    assert paths == {"seed", "topology.default.loss", "job.steps", "job.stepz"}
+    text = str(caught.value)
+    assert text.startswith(f"invalid scenario {path}:")
+    assert f"{path}:2: seed: Input should be greater than or equal to 0, got -1" in text
+    assert f"{path}:4: job.stepz: unknown field (did you mean 'steps'?)" in text
+
+
+def test_empty_file_and_non_mapping_are_errors():
+    assert "empty file" in problems("")[0][1]
+    assert "expected a mapping of sections, got list" in problems("- 1\n")[0][1]
+
+
+def test_missing_file_is_a_scenario_error(tmp_path: Path):
+    with pytest.raises(ScenarioError, match="No such file"):
+        load_scenario(tmp_path / "nope.yaml")
+
+
+# --- links --------------------------------------------------------------------------------------
+
+
+def topology(**spec) -> Topology:
+    return Topology.model_validate(spec)
+
+
+def test_resolve_link_default_group_and_worker_precedence():
+    wan = {"delay": "40ms", "loss": "2%"}
+    topo = topology(
+        default={"delay": "1ms"},
+        groups={"east": [0, 1], "west": [2, 3]},
+        links=[
+            {"between": ["east", "west"], "profile": wan},
+            {"from": 0, "to": "west", "profile": {"delay": "60ms"}},  # one direction only
+            {"from": 1, "to": 3, "profile": {"loss": "50%"}},  # most specific
+        ],
+    )
+    assert resolve_link(topo, 0, 1) == LinkProfile.parse(delay="1ms")  # inside east
+    assert resolve_link(topo, 1, 2) == LinkProfile.parse(wan)
+    assert resolve_link(topo, 2, 1) == LinkProfile.parse(wan)  # between: both directions
+    assert resolve_link(topo, 0, 2) == LinkProfile.parse(delay="60ms")  # worker->group wins
+    assert resolve_link(topo, 2, 0) == LinkProfile.parse(wan)  # ...but only that direction
+    assert resolve_link(topo, 1, 3) == LinkProfile.parse(loss="50%")  # worker->worker wins
+    assert resolve_link(topo, 3, 1) == LinkProfile.parse(wan)
+    # The order of the links does not matter.
+    shuffled = topology(**{**topo.model_dump(by_alias=True), "links": [
+        link.model_dump(by_alias=True) for link in reversed(topo.links)]})
+    assert all(resolve_link(shuffled, s, d) == resolve_link(topo, s, d)
+               for s in range(4) for d in range(4) if s != d)
+
+
+def test_scenario_links_table_covers_every_directed_pair():
+    scenario = load_scenario(SHIPPED / "two-regions.yaml")
+    links = scenario.links()
+    assert len(links) == 8 * 7
+    assert links[(0, 4)].delay == 0.04 and links[(4, 0)].delay == 0.04
+    assert links[(0, 3)].delay == 0.001 and links[(5, 6)].rate == 1_000_000_000
+
+
+def test_selector_pairs_and_partition_pairs():
+    groups = {"east": [0, 1], "west": [2, 3]}
+    topo = topology(groups=groups, links=[{"from": "east", "to": 3, "profile": {}}])
+    assert topo.links[0].pairs(groups, 4) == [(0, 3), (1, 3)]
+    assert partition_pairs(groups, ["east", "west"], 4) == {
+        (s, d) for s in range(4) for d in range(4) if (s < 2) != (d < 2)}
+    alone = partition_pairs({"a": [2]}, ["a"], 4)
+    assert alone == {(2, 0), (2, 1), (2, 3), (0, 2), (1, 2), (3, 2)}
+
+
+def test_patch_keeps_other_fields_and_null_resets():
+    current = LinkProfile.parse(delay="40ms", jitter="8ms", loss="2%", rate="100mbit")
+    patched = patch_profile(current, LinkPatch.model_validate({"loss": "10%", "rate": None}))
+    assert patched == LinkProfile.parse(delay="40ms", jitter="8ms", loss="10%")
+
+
+def test_ramp_moves_linearly_and_stops_at_its_target():
+    scenario = load_scenario(BASE + "topology: {default: {delay: 10ms}}\ntimeline:\n"
+                             "  - {at: 0s, ramp_link: {from: {loss: 0%, rate: 10mbit}, "
+                             "to: {loss: 20%, rate: 30mbit}, over: 60s}}\n")
+    ramp = scenario.timeline[0].ramp_link
+    start = scenario.link_profile(0, 1)
+    assert ramp.profile_at(start, 0) == LinkProfile.parse(delay="10ms", rate="10mbit")
+    middle = ramp.profile_at(start, 30)
+    assert middle == LinkProfile.parse(delay="10ms", loss="10%", rate="20mbit")
+    assert ramp.profile_at(start, 600) == LinkProfile.parse(delay="10ms", loss="20%",
+                                                            rate="30mbit")
+
+
+def test_rate_ramp_needs_a_start():
+    found = problems(BASE + "timeline:\n  - {at: 0s, ramp_link: {to: {rate: 1mbit}, over: 5s}}\n")
+    assert found[0][0] == "timeline[0].ramp_link" and "needs from.rate" in found[0][1]
+
+
+# --- workers, job, steps ------------------------------------------------------------------------
+
+
+def test_worker_overrides_reach_train_config_and_congestion():
+    scenario = load_scenario(SHIPPED / "stragglers.yaml")
+    assert scenario.train_config(3).straggler.lognormal.median == 0.02
+    assert scenario.train_config(0).straggler.exponential.mean == 0.002  # the job's, for all
+    assert scenario.train_config(0).seed == scenario.seed == 4
+    assert scenario.train_config(0).drop_compute.threshold == "auto"
+    assert scenario.slowdown(2) == 3 and scenario.slowdown(0) == 1
+    mixed = load_scenario("workers: {count: 3, overrides: [{worker: [1, 2], congestion: bbr}]}\n")
+    assert [mixed.congestion(w) for w in range(3)] == ["cubic", "bbr", "bbr"]
+
+
+def test_with_steps_shortens_the_job_and_moves_step_events():
+    scenario = load_scenario(SHIPPED / "preemption.yaml")
+    short = scenario.with_steps(30)
+    assert short.job.steps == 30 and scenario.job.steps == 300
+    assert [e.clock for e in short.timeline] == [("at", 30.0), ("at", 60.0), ("step", 15),
+                                                  ("step", 22)]
+    assert load_scenario(SHIPPED / "preemption.yaml", steps=30) == short
+    assert short.with_steps(1).timeline[2].step == 0
+    with pytest.raises(ValueError, match="steps"):
+        scenario.with_steps(0)
+
+
+def test_events_describe_themselves_for_the_event_log():
+    scenario = load_scenario(SHIPPED / "two-regions.yaml")
+    assert [event.describe() for event in scenario.timeline] == [
+        "at 60s: ramp_link east<->west loss=2% -> loss=10% over 30s",
+        "at 120s: partition east, west",
+        "at 150s: heal all",
+        "at 180s: set_link east<->west loss=2%",
+    ]
+    assert [event.action for event in scenario.timeline] == [
+        "ramp_link", "partition", "heal", "set_link"]
+
+
+def test_collective_options_are_the_constructors():
+    scenario = load_scenario(SHIPPED / "preemption.yaml")
+    assert scenario.collective.options() == {"group_size": 4, "timeout": 2.0, "heartbeat": 0.5}
+
+
+# --- shipped scenarios, schema, CLI -------------------------------------------------------------
+
+
+def test_every_shipped_scenario_loads_and_says_what_it_shows():
+    files = scenario_files()
+    assert {path.stem for path in files} == SHIPPED_NAMES
+    for path in files:
+        scenario = load_scenario(path)
+        assert scenario.name == path.stem
+        lines = path.read_text().splitlines()
+        assert lines[0] == "# yaml-language-server: $schema=scenario.schema.json"
+        assert lines[1].startswith(f"# {path.stem}: ")
+        assert scenario.with_steps(5).job.steps == 5
+
+
+def test_committed_schema_is_the_generated_one():
+    committed = json.loads((SHIPPED / "scenario.schema.json").read_text())
+    assert committed == json_schema(), (
+        "stale: run `testbed scenario schema -o compose/scenarios/scenario.schema.json`")
+
+
+def test_schema_accepts_human_units_and_single_items():
+    defs = json_schema()["$defs"]
+    delay = defs["LinkProfile"]["properties"]["delay"]["anyOf"]
+    assert {"type": "number", "minimum": 0} in delay
+    assert any(branch.get("type") == "string" for branch in delay)
+    kill = defs["Event"]["properties"]["kill"]["anyOf"]
+    assert {"minimum": 0, "type": "integer"} in kill
+    assert json_schema()["properties"]["collective"]["discriminator"]["propertyName"] == "kind"
+    assert Scenario.model_config["extra"] == "forbid"
+
+
+def test_cli_check_and_schema(tmp_path: Path):
+    good = SHIPPED / "quickstart.yaml"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("workers: 4\ntopology: {congestion: reno}\n")
+    runner = CliRunner()
+    result = runner.invoke(app, ["scenario", "check", str(good)])
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith(f"ok {good}: quickstart: 4 workers")
+    result = runner.invoke(app, ["scenario", "check", str(good), str(bad)])
+    assert result.exit_code == 1
+    assert f"{bad}:2: topology.congestion: expected 'cubic' or 'bbr', got 'reno'" in (
+        result.output)
+    assert "1 of 2 scenario file(s) invalid" in result.output
+    out = tmp_path / "schema.json"
+    result = runner.invoke(app, ["scenario", "schema", "-o", str(out)])
+    assert result.exit_code == 0 and json.loads(out.read_text()) == json_schema()
+    printed = runner.invoke(app, ["scenario", "schema"])
+    assert json.loads(printed.output) == json_schema()
