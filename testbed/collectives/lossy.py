@@ -33,7 +33,7 @@ from testbed.collectives.base import AllReduceStats
 from testbed.collectives.estimate import AdaptiveDeadline, ChunkAccumulator
 from testbed.transport.tcp import Listener, StreamMesh
 from testbed.transport.tensors import codec_of
-from testbed.transport.udp import Chunk, DatagramEndpoint, expected_chunks, place
+from testbed.transport.udp import DatagramEndpoint, expected_chunks
 from testbed.transport.wire import Kind
 
 BUCKETS = 1 << 32  # the datagram header's bucket field: calls are numbered modulo this
@@ -281,16 +281,16 @@ class Lossy:
         `started`, per chunk, and how many chunks of each peer's did not."""
         accumulator = ChunkAccumulator(own.numel(), chunk_numel, dtype=own.dtype)
         accumulator.add_all(own)
-        arrivals = self._collect(Kind.GRADIENT, step, bucket, dict.fromkeys(self.peers,
-                                 own.numel()), chunk_numel, started, started + deadline,
-                                 self.gather_deadline)
-        scratch = torch.empty_like(own)
+        landed = {peer: torch.empty_like(own) for peer in self.peers}
+        arrived = self._collect(Kind.GRADIENT, step, bucket, landed, chunk_numel, started,
+                                started + deadline, self.gather_deadline)
         missing = {}
         for peer in self.peers:
-            scratch.zero_()  # chunks that did not come add nothing
-            arrived = _land(arrivals[peer], scratch, chunk_numel)
-            accumulator.add_partial(scratch, arrived)
-            missing[peer] = accumulator.chunks - int(arrived.sum())
+            values = landed.pop(peer)  # freed as soon as it is added
+            # Chunks that did not come (or a test loss model discarded) add nothing.
+            elements = arrived[peer].repeat_interleave(chunk_numel)[:own.numel()]
+            accumulator.add_partial(values.masked_fill_(~elements, 0), arrived[peer])
+            missing[peer] = accumulator.chunks - int(arrived[peer].sum())
         return accumulator, missing
 
     def _broadcast(
@@ -305,15 +305,12 @@ class Lossy:
         started = time.monotonic()
         for peer in self.peers:
             self.endpoint.send_tensor(peer, Kind.PARAMETER, step, bucket, payload)
-        lengths = {owner: _payload_length(sizes[owner], chunk_numel) for owner in self.peers}
-        arrivals = self._collect(Kind.PARAMETER, step, bucket, lengths, chunk_numel, started,
-                                 max(started, others_start_by) + deadline,
-                                 self.broadcast_deadline)
-        received = {}
-        for owner, length in lengths.items():
-            values = torch.empty(length, dtype=payload.dtype)
-            received[owner] = values, _land(arrivals[owner], values, chunk_numel)
-        return received
+        landed = {owner: torch.empty(_payload_length(sizes[owner], chunk_numel),
+                                     dtype=payload.dtype) for owner in self.peers}
+        arrived = self._collect(Kind.PARAMETER, step, bucket, landed, chunk_numel, started,
+                                max(started, others_start_by) + deadline,
+                                self.broadcast_deadline)
+        return {owner: (values, arrived[owner]) for owner, values in landed.items()}
 
     def _broadcast_reliably(
         self, payload: torch.Tensor, step: int, bucket: int, sizes: Sequence[int],
@@ -341,28 +338,31 @@ class Lossy:
         return received
 
     def _collect(
-        self, kind: Kind, step: int, bucket: int, lengths: Mapping[int, int], chunk_numel: int,
-        started: float, until: float, learner: AdaptiveDeadline,
-    ) -> dict[int, list[Chunk]]:
-        """Per sender, the chunks of its `lengths[sender]`-element tensor of (kind, step,
-        bucket) that came by time.monotonic() `until`, less those a test loss model discards;
-        teaches `learner` how long after `started` the last one came."""
-        counts = {sender: _chunk_count(length, chunk_numel) for sender, length in lengths.items()}
-        expected = set().union(*(expected_chunks([sender], length, chunk_numel)
-                                 for sender, length in lengths.items()))
+        self, kind: Kind, step: int, bucket: int, landed: Mapping[int, torch.Tensor],
+        chunk_numel: int, started: float, until: float, learner: AdaptiveDeadline,
+    ) -> dict[int, torch.Tensor]:
+        """Write each sender's chunks of (kind, step, bucket) into `landed[sender]` as they
+        come, until time.monotonic() `until`; per sender, which of its chunks came (less those
+        a test loss model discards). Teaches `learner` how long after `started` the last came."""
+        counts = {sender: _chunk_count(out.numel(), chunk_numel) for sender, out in landed.items()}
+        expected = set().union(*(expected_chunks([sender], out.numel(), chunk_numel)
+                                 for sender, out in landed.items()))
         collected = self.endpoint.collect(kind, step, bucket, expected, until,
-                                          settle=self.settle)
+                                          settle=self.settle, into=landed)
         if collected.last_arrival is not None:
             learner.observe(max(0.0, collected.last_arrival - started), collected.late)
-        by_sender: dict[int, list[Chunk]] = {sender: [] for sender in lengths}
-        for chunk in collected.chunks:  # chunked for another length: not ours to place
-            if chunk.count == counts.get(chunk.sender):
-                by_sender[chunk.sender].append(chunk)
+        n = len(collected.chunks)
+        senders = np.fromiter((chunk.sender for chunk in collected.chunks), np.int64, n)
+        indexes = np.fromiter((chunk.index for chunk in collected.chunks), np.int64, n)
+        arrived = {}
+        for sender, count in counts.items():
+            arrived[sender] = torch.zeros(count, dtype=torch.bool)
+            arrived[sender][torch.from_numpy(indexes[senders == sender])] = True
         if self.test_loss is not None:
-            for sender, chunks in by_sender.items():
+            for sender, mask in arrived.items():
                 lost = self.test_loss.lost(kind, step, bucket, sender, self.rank, counts[sender])
-                by_sender[sender] = [chunk for chunk in chunks if not lost[chunk.index]]
-        return by_sender
+                mask &= ~torch.from_numpy(lost)
+        return arrived
 
     def _counters(self) -> _Counters:
         datagrams = self.endpoint.counters()
@@ -408,16 +408,6 @@ def _chunk_lengths(numel: int, chunk_numel: int) -> torch.Tensor:
 def _payload_length(numel: int, chunk_numel: int) -> int:
     """A broadcast of a `numel`-element shard: its values, then one count per chunk."""
     return numel + _chunk_count(numel, chunk_numel)
-
-
-def _land(chunks: Sequence[Chunk], out: torch.Tensor, chunk_numel: int) -> torch.Tensor:
-    """Copy one sender's chunks into `out` in one scatter; which of out's chunks came."""
-    arrived = torch.zeros(_chunk_count(out.numel(), chunk_numel), dtype=torch.bool)
-    if chunks:
-        fits = place(chunks, out, chunk_numel)
-        index = np.fromiter((chunk.index for chunk in chunks), np.int64, len(chunks))
-        arrived[torch.from_numpy(index[fits])] = True
-    return arrived
 
 
 def _apply_broadcast(

@@ -127,6 +127,34 @@ class _Awaited:
     wanted: set[tuple[int, int]]
     ended: set[int]  # senders whose stream reached its tail
     newest: float  # when its newest chunk came
+    landings: dict[int, _Landing]
+
+
+EMPTY = memoryview(b"")
+
+
+class _Landing:
+    """Where one sender's chunks of the awaited key are written as they come: chunk i of a
+    tensor as long as `out` at element i * chunk_numel of it."""
+
+    __slots__ = ("chunk_bytes", "codec", "count", "target")
+
+    def __init__(self, out: torch.Tensor, chunk_numel: int) -> None:
+        self.target = memoryview(bits(out)).cast("B")
+        self.codec = codec_of(out.dtype)
+        self.chunk_bytes = chunk_numel * out.element_size()
+        self.count = max(1, math.ceil(out.numel() / chunk_numel))
+
+    def land(self, index: int, count: int, codec: int, payload: memoryview) -> bool:
+        """Write one chunk; False if it is not a chunk of such a tensor (its numbers came from
+        the network, so nothing is written outside `out`)."""
+        start = index * self.chunk_bytes
+        end = start + len(payload)
+        if (codec != self.codec or count != self.count or len(payload) > self.chunk_bytes
+                or end > len(self.target)):
+            return False
+        self.target[start:end] = payload
+        return True
 
 
 def place(chunks: Sequence[Chunk], out: torch.Tensor, chunk_numel: int) -> np.ndarray:
@@ -319,6 +347,7 @@ class DatagramEndpoint:
         deadline: float,
         *,
         settle: float | None = None,
+        into: Mapping[int, torch.Tensor] | None = None,
     ) -> Collected:
         """Chunks of (kind, step, bucket) until every expected (sender, index) came or
         time.monotonic() passes `deadline`. The key is closed afterwards: later chunks of it
@@ -327,18 +356,35 @@ class DatagramEndpoint:
         With `settle`, the wait also ends once every expected sender's stream has ended (one
         of its last TAIL chunks came) and nothing came for `settle` seconds: the rest was lost.
         Under loss that ends a call when the data stops rather than at the deadline, which
-        then only bounds the wait for senders that are slow or gone."""
+        then only bounds the wait for senders that are slow or gone.
+
+        With `into`, the chunks of those senders are written into their tensor (flat,
+        contiguous; chunk i at element i * chunk_numel) as they come instead of being kept:
+        their `Collected.chunks` carry no payload, and a chunk that is not one of a tensor of
+        that length and dtype is left out as if it never came. Nothing but the destination
+        holds the data, which keeps a large collect's memory at the tensor's size."""
         key = (int(kind), step, bucket)
         if step < self._closed_below or key in self._closed:
             raise ValueError(f"collect: {Kind(kind).name} step {step} bucket {bucket} is closed")
         late_before = self._late[key[0]]
         got = self._pending.setdefault(key, {})
+        landings = {sender: _Landing(out, self._full[codec_of(out.dtype)] // out.element_size())
+                    for sender, out in (into or {}).items()}
+        for spot, chunk in list(got.items()):  # what came before anyone waited for it
+            landing = landings.get(chunk.sender)
+            if landing is None:
+                continue
+            if landing.land(chunk.index, chunk.count, chunk.codec, chunk.payload):
+                got[spot] = dataclasses.replace(chunk, payload=EMPTY)
+            else:
+                del got[spot]
         senders = {sender for sender, _ in expected}
         awaited = self._awaited = _Awaited(
             key,
             set(expected) - got.keys(),
             {c.sender for c in got.values() if c.index >= c.count - TAIL},
             max((c.arrival for c in got.values()), default=time.monotonic()),
+            landings,
         )
         try:
             self._drain()
@@ -443,10 +489,16 @@ class DatagramEndpoint:
             counters.datagrams_late += 1
             self._late[header.kind] += 1
             return
-        chunk = Chunk(sender, header.chunk, header.chunks, Codec(header.codec),
-                      datagram[HEADER_SIZE:], now)
-        self._pending.setdefault(key, {}).setdefault((sender, header.chunk), chunk)
+        payload = datagram[HEADER_SIZE:]
         awaited = self._awaited
+        if awaited is not None and awaited.key == key:
+            landing = awaited.landings.get(sender)
+            if landing is not None:
+                if not landing.land(header.chunk, header.chunks, header.codec, payload):
+                    return
+                payload = EMPTY
+        chunk = Chunk(sender, header.chunk, header.chunks, Codec(header.codec), payload, now)
+        self._pending.setdefault(key, {}).setdefault((sender, header.chunk), chunk)
         if awaited is not None and awaited.key == key:
             awaited.wanted.discard((sender, header.chunk))
             awaited.newest = now

@@ -61,11 +61,12 @@ def raw() -> Iterator[socket.socket]:
     sock.close()
 
 
-def collect_in_thread(endpoint: DatagramEndpoint, *args) -> tuple[threading.Thread, dict]:
+def collect_in_thread(endpoint: DatagramEndpoint, *args, **options) -> tuple[threading.Thread,
+                                                                           dict]:
     result: dict = {}
 
     def run() -> None:
-        result["collected"] = endpoint.collect(*args)
+        result["collected"] = endpoint.collect(*args, **options)
 
     thread = threading.Thread(target=run)
     thread.start()
@@ -212,6 +213,34 @@ def test_settle_still_waits_for_a_stream_that_has_not_ended(raw):
         got = receiver.collect(Kind.GRADIENT, 0, 0, expected, start + 0.3, settle=0.01)
         assert time.monotonic() - start >= 0.3
         assert got.missing == {(5, index) for index in range(4, 10)}
+
+
+def test_chunks_land_in_their_tensor_as_they_come_and_misfits_are_left_out(pair):
+    sender, receiver = pair
+    numel = receiver.chunk_numel()
+    tensor = torch.randn(3 * numel - 5, generator=torch.Generator().manual_seed(3))
+    expected = expected_chunks([0], tensor.numel(), numel)
+    # Read before anyone waits: a one-chunk tensor takes place (0, 0) first (the real chunk 0
+    # is then a duplicate), then the real chunks.
+    sender.send_tensor(1, Kind.GRADIENT, 0, 0, torch.ones(10))
+    sender.send_tensor(1, Kind.GRADIENT, 0, 0, tensor)
+    receiver.poll(WAIT)  # all four are queued: one read takes them
+    out = torch.zeros_like(tensor)
+    got = receiver.collect(Kind.GRADIENT, 0, 0, expected, time.monotonic() + 0.2, into={0: out})
+    assert got.missing == {(0, 0)}, "a chunk of another tensor must not land"
+    torch.testing.assert_close(out[numel:], tensor[numel:], rtol=0, atol=0)
+    assert not out[:numel].any()
+    # While waiting: the misfit is turned away as it is read, the chunks land, and keep no
+    # copy of their payload.
+    out.zero_()
+    thread, result = collect_in_thread(receiver, Kind.GRADIENT, 1, 0, expected,
+                                       time.monotonic() + WAIT, into={0: out})
+    sender.send_tensor(1, Kind.GRADIENT, 1, 0, torch.ones(10))
+    sender.send_tensor(1, Kind.GRADIENT, 1, 0, tensor)
+    thread.join(WAIT)
+    assert not result["collected"].missing
+    assert torch.equal(out, tensor)
+    assert all(len(chunk.payload) == 0 for chunk in result["collected"].chunks)
 
 
 def test_chunks_after_the_step_closed_are_late(pair):
