@@ -213,6 +213,7 @@ class Lossy:
         gather_deadline = self.gather_deadline.seconds
         accumulator, gather_missing = self._gather(shards[self.rank], step, bucket, chunk_numel,
                                                    started, gather_deadline)
+        gathered = time.monotonic()
         averaged = accumulator.mean()
         fresh = averaged if update is None else update(starts[self.rank], fallback[mine],
                                                        averaged)
@@ -220,6 +221,7 @@ class Lossy:
         result[mine] = fresh
         payload = torch.cat([fresh.to(result.dtype), accumulator.weight.to(result.dtype)])
 
+        broadcasting = time.monotonic()
         reliable = self._mesh is not None and (step + 1) % self.resync_every == 0
         broadcast_deadline = 0.0 if reliable else self.broadcast_deadline.seconds
         if reliable:
@@ -227,6 +229,7 @@ class Lossy:
         else:
             received = self._broadcast(payload, step, bucket, sizes, chunk_numel,
                                        broadcast_deadline, started + gather_deadline)
+        broadcast = time.monotonic()
         # Per chunk of each shard: how many workers' values are in `result` there.
         contributions = {self.rank: accumulator.weight}
         stand_in = 0.0 if update is not None else 1.0  # stale parameters, or the own value
@@ -258,6 +261,8 @@ class Lossy:
             coverage=elements / (self.world * max(1, contribution.numel())),
             peers_missing=absent,
             extra={
+                "gather_seconds": gathered - started,
+                "broadcast_seconds": broadcast - broadcasting,
                 "deadline_seconds": gather_deadline,
                 "broadcast_deadline_seconds": broadcast_deadline,
                 "shard_coverage": shard_coverage.item() / max(1, sizes[self.rank]),
