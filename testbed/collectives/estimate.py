@@ -56,9 +56,17 @@ class ChunkAccumulator:
         return self.weight.clone()
 
     def mean(self) -> torch.Tensor:
-        """Per-chunk weighted mean of what arrived; chunks nobody sent stay zero."""
-        per_element = self.weight.repeat_interleave(self.chunk_numel)[: self.numel]
-        return self.total / per_element.clamp_min(1e-12).to(self.total.dtype)
+        """Per-chunk weighted mean of what arrived; chunks nobody sent stay zero. Divides chunk
+        by chunk in place of a per-element divisor, so the only new memory is the result."""
+        weight = self.weight.clamp_min(1e-12).to(self.total.dtype)
+        whole = self.numel // self.chunk_numel  # chunks of full length; one shorter may follow
+        split = whole * self.chunk_numel
+        out = torch.empty_like(self.total)
+        torch.div(self.total[:split].view(whole, self.chunk_numel), weight[:whole, None],
+                  out=out[:split].view(whole, self.chunk_numel))
+        if split < self.numel:
+            torch.div(self.total[split:], weight[whole], out=out[split:])
+        return out
 
 
 @dataclass

@@ -428,7 +428,7 @@ def _apply_broadcast(
     count = _chunk_count(numel, chunk_numel)
     shard_arrived = arrived[:count]
     elements = shard_arrived.repeat_interleave(chunk_numel)[:numel]
-    target.copy_(torch.where(elements, payload[:numel], target))
+    torch.where(elements, payload[:numel], target, out=target)  # in place: no shard copy
     count_arrived = arrived[(numel + torch.arange(count)) // chunk_numel]
     weights = torch.where(count_arrived, payload[numel:].to(torch.float64), typical)
     contributions = torch.where(shard_arrived, weights, stand_in)
