@@ -1,0 +1,2 @@
+"""The cluster: workers as hosts in network namespaces, their shaped network, the fault timeline
+(docs/cluster.md)."""

@@ -1,0 +1,367 @@
+"""The cluster's network: one namespace per worker on one bridge, every directed link shaped.
+
+Worker w is host w of a `netem.lab.Lab`: its own namespace, a veth to the bridge (which lives in
+the lab's switch namespace), an address and the scenario's MTU. Traffic from src to dst is shaped
+where the wire is: on the egress of dst's switch port (`lab.hosts[dst].switch_port` in
+`lab.switch`), classified per source address, so one `netem.apply` per receiver holds every link
+into it. The sender's own stack never sees the drops (its TCP does not retransmit at once, its
+UDP sends never fail), as on a real network.
+
+Per receiver, the catch-all rule (`None`) carries the profile most of its incoming links have;
+the others, and every link the scenario's timeline will change or cut, get a source rule. A
+source that once had a rule keeps it (the "layout" stays the same), so later changes go through
+`netem.change` in place: no moment unshaped, no queue flushed, no rebuild.
+
+A partition is 100% loss on the cut directed links; the profile each cut link would otherwise
+have is remembered apart, so `heal` restores whatever the timeline set meanwhile.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import subprocess
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Literal
+
+import netem
+from netem.backend import _usable, resolve_backend
+from netem.lab import Lab
+from netem.plan import LOSS_MODULUS, UnsupportedByKernel, build_plan
+from netem.profile import LinkProfile
+from testbed.scenario.model import RampLink, Scenario, SetLink, partition_pairs
+
+Pair = tuple[int, int]
+Rules = dict[str | None, LinkProfile]
+CUT = LinkProfile(loss=1.0)
+# The fallback's nft rule cannot say 100% yet (`numgen random mod 1e9 < 1e9` is out of range):
+# it cuts with the highest loss it can say, one packet in a billion through.
+CUT_FALLBACK = LinkProfile(loss=1 - 1 / LOSS_MODULUS)
+PARALLEL = 8  # receivers re-shaped at once
+SYSCTL = "/proc/sys/net/ipv4/"
+ALLOWED = SYSCTL + "tcp_allowed_congestion_control"
+AVAILABLE = SYSCTL + "tcp_available_congestion_control"  # what a partitioned link carries: nothing
+
+
+class NetworkError(RuntimeError):
+    """The cluster's network could not be built or changed; the message says what and why."""
+
+
+class ClusterNetwork:
+    """The shaped network of a scenario's workers. Use as a context manager (or `start`/`close`);
+    `close` is idempotent and runs on failure and Ctrl-C through the context manager.
+
+    Thread-safe: the timeline's scheduler thread and the runner may change links at once.
+    """
+
+    def __init__(
+        self,
+        scenario: Scenario,
+        prefix: str | None = None,
+        backend: Literal["auto", "netem", "fallback"] = "auto",
+    ) -> None:
+        self.scenario = scenario
+        self.count = scenario.count
+        self.groups: dict[str, list[int]] = {k: list(v) for k, v in
+                                             scenario.topology.groups.items()}
+        self.backend = resolve_backend(backend)
+        self._requested = backend
+        lab_options = {"prefix": prefix} if prefix else {}
+        self.lab = Lab(scenario.count, mtu=scenario.topology.mtu, **lab_options)
+        self._profiles: dict[Pair, LinkProfile] = dict(scenario.links())
+        self._cut: set[Pair] = set()
+        self._base: dict[int, LinkProfile] = {}  # each receiver's catch-all profile
+        self._sources: dict[int, set[int]] = {}  # each receiver's senders with a rule of their own
+        self._lossy: dict[int, bool] = {}  # whether a receiver's shaping has an nft loss chain
+        self.congestion: dict[int, str] = {}  # worker -> TCP congestion control set in its netns
+        self.apply_seconds: list[float] = []  # how long each change took, in order
+        self._lock = threading.RLock()
+        self._started = False
+        self.cut_profile = CUT if self.backend == "netem" else CUT_FALLBACK
+
+    # -- life cycle
+
+    def __enter__(self) -> ClusterNetwork:
+        try:
+            self.start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def start(self) -> None:
+        """Check every receiver's rules against the backend (nothing is created when one cannot be
+        shaped: `UnsupportedByKernel` names the field), build the lab, shape every link, set each
+        worker's TCP congestion control."""
+        with self._lock:
+            for dst in range(self.count):
+                incoming = [self._profiles[(s, dst)] for s in range(self.count) if s != dst]
+                self._base[dst] = _most_common(incoming) if incoming else LinkProfile()
+                self._sources[dst] = {
+                    s for s in range(self.count)
+                    if s != dst and self._profiles[(s, dst)] != self._base[dst]
+                }
+            for src, dst in self._timeline_pairs():  # their changes then go in place
+                self._sources[dst].add(src)
+            for dst in range(self.count):  # pure: raises before anything is created
+                build_plan(f"p{dst}", self._rules(dst), backend=self.backend)
+            if self._requested == "netem":
+                _usable("netem")  # the clear error when the kernel lacks sch_netem
+            self._check_timeline()
+            self.lab.start()
+            self._started = True
+            for dst in range(self.count):
+                host = self.lab.hosts[dst]
+                netem.apply(host.switch_port, self._rules(dst), netns=self.lab.switch,
+                            backend=self.backend)
+                self._lossy[dst] = _has_loss(self._rules(dst))
+            self._set_congestion_controls()
+
+    def _timeline_pairs(self) -> set[Pair]:
+        """The links the scenario's timeline will change or cut."""
+        pairs: set[Pair] = set()
+        for event in self.scenario.timeline:
+            value = getattr(event, event.action)
+            if isinstance(value, SetLink | RampLink):
+                pairs.update(value.link.pairs(self.groups, self.count))
+            elif event.action == "partition":
+                pairs |= partition_pairs(self.groups, list(value), self.count)
+        return pairs
+
+    def _check_timeline(self) -> None:
+        """Every profile the timeline's link changes will give (in file order, ramps at both
+        ends), checked against the backend now rather than in the middle of the run."""
+        state = dict(self._profiles)
+        for index, event in enumerate(self.scenario.timeline):
+            value = getattr(event, event.action)
+            if not isinstance(value, SetLink | RampLink):
+                continue
+            for pair in value.link.pairs(self.groups, self.count):
+                if isinstance(value, SetLink):
+                    profiles = [value.apply(state[pair])]
+                else:
+                    profiles = [value.profile_at(state[pair], 0.0),
+                                value.profile_at(state[pair], value.over)]
+                try:
+                    for profile in profiles:
+                        build_plan("p0", profile, backend=self.backend)
+                except UnsupportedByKernel as error:
+                    raise UnsupportedByKernel(
+                        f"timeline[{index}] ({event.describe()}), link {pair[0]}->{pair[1]}: "
+                        f"{error}") from None
+                state[pair] = profiles[-1]
+
+    def close(self) -> None:
+        """Remove every namespace (with its veths, qdiscs and nft tables) and the processes in
+        them. Idempotent."""
+        with self._lock:
+            self.lab.close()
+            self._started = False
+
+    # -- what is where
+
+    @property
+    def prefix(self) -> str:
+        return self.lab.prefix
+
+    @property
+    def hosts(self) -> list[str]:
+        """Each worker's address, by rank."""
+        return [host.address for host in self.lab.hosts]
+
+    def namespace(self, worker: int) -> str:
+        return self.lab.hosts[worker].netns
+
+    def switch_port(self, worker: int) -> str:
+        """The switch-side interface (in `self.lab.switch`) whose egress shapes links into it."""
+        return self.lab.hosts[worker].switch_port
+
+    def current(self, src: int, dst: int) -> LinkProfile:
+        """The link's profile as the scenario and the timeline left it (what it carries when not
+        partitioned; see `is_cut` and `effective`)."""
+        with self._lock:
+            return self._profiles[self._pair(src, dst)]
+
+    def is_cut(self, src: int, dst: int) -> bool:
+        with self._lock:
+            return self._pair(src, dst) in self._cut
+
+    def effective(self, src: int, dst: int) -> LinkProfile:
+        """What the link carries now: `cut_profile` (100% loss) when partitioned, else `current`."""
+        with self._lock:
+            return self._effective(*self._pair(src, dst))
+
+    @property
+    def cut(self) -> set[Pair]:
+        with self._lock:
+            return set(self._cut)
+
+    # -- changes
+
+    def set_link(self, src: int, dst: int, profile: LinkProfile) -> float:
+        """Give the link src -> dst this profile; returns the seconds the kernel change took."""
+        return self.set_links({(src, dst): profile})
+
+    def set_links(self, changes: Mapping[Pair, LinkProfile]) -> float:
+        """Give these links these profiles, re-shaping only their receivers; returns seconds.
+        A partitioned link stays cut: its remembered profile changes, restored by `heal`."""
+        with self._lock:
+            for pair, profile in changes.items():
+                if not isinstance(profile, LinkProfile):
+                    raise TypeError(f"link {pair}: expected a LinkProfile, got {profile!r}")
+                self._profiles[self._pair(*pair)] = profile
+            return self._reshape({dst for _, dst in changes}, changes)
+
+    def partition(self, pairs: Iterable[Pair]) -> float:
+        """Cut these directed links (100% loss); returns seconds."""
+        with self._lock:
+            new = {self._pair(*pair) for pair in pairs} - self._cut
+            self._cut |= new
+            return self._reshape({dst for _, dst in new}, new)
+
+    def heal(self, pairs: Iterable[Pair] | None = None) -> float:
+        """Restore these cut links (None: every cut link) to their current profile; returns
+        seconds. Links that are not cut are left alone."""
+        with self._lock:
+            chosen = set(self._cut) if pairs is None else {self._pair(*p) for p in pairs}
+            healed = chosen & self._cut
+            self._cut -= healed
+            return self._reshape({dst for _, dst in healed}, healed)
+
+    # -- helpers
+
+    def _pair(self, src: int, dst: int) -> Pair:
+        if src == dst or not (0 <= src < self.count and 0 <= dst < self.count):
+            raise ValueError(f"no link {src}->{dst}: workers are 0..{self.count - 1}, src != dst")
+        return (src, dst)
+
+    def _reshape(self, receivers: set[int], touched: Iterable[Pair]) -> float:
+        if not self._started:
+            raise NetworkError("the network is not running (start it, or use it as a context "
+                               "manager)")
+        rebuilt = set()
+        for src, dst in touched:
+            if self._effective(src, dst) != self._base[dst] and src not in self._sources[dst]:
+                self._sources[dst].add(src)  # once a rule of its own, always (change in place)
+                rebuilt.add(dst)
+        begun = time.perf_counter()
+        rules = {dst: self._rules(dst) for dst in receivers}
+        # The fallback keeps every receiver's loss in one nft table of the switch, and deletes
+        # the table with its last chain. Receivers that may delete it must not overlap those
+        # that add to it: first the others (they add to the table or touch only their own chain
+        # and port) in parallel, then those losing their last loss rule in parallel (each sees
+        # the others' chains until they are gone), then those rebuilt while lossy, one by one.
+        fallback = self.backend == "fallback"
+        rebuilt = {dst for dst in rebuilt if fallback and self._lossy[dst]}
+        losing = {dst for dst in set(receivers) - rebuilt
+                  if fallback and self._lossy[dst] and not _has_loss(rules[dst])}
+        self._in_parallel(sorted(set(receivers) - rebuilt - losing), rules)
+        self._in_parallel(sorted(losing), rules)
+        for dst in sorted(rebuilt):
+            self._change(dst, rules[dst])
+        elapsed = time.perf_counter() - begun
+        if receivers:
+            self.apply_seconds.append(elapsed)
+        return elapsed
+
+    def _in_parallel(self, receivers: list[int], rules: dict[int, Rules]) -> None:
+        if len(receivers) == 1:
+            self._change(receivers[0], rules[receivers[0]])
+        elif receivers:
+            with ThreadPoolExecutor(min(len(receivers), PARALLEL)) as pool:
+                for future in [pool.submit(self._change, dst, rules[dst]) for dst in receivers]:
+                    future.result()
+
+    def _change(self, dst: int, rules: dict[str | None, LinkProfile]) -> None:
+        netem.change(self.lab.hosts[dst].switch_port, rules, netns=self.lab.switch,
+                     backend=self.backend)
+        self._lossy[dst] = _has_loss(rules)
+
+    def _effective(self, src: int, dst: int) -> LinkProfile:
+        return self.cut_profile if (src, dst) in self._cut else self._profiles[(src, dst)]
+
+    def _address(self, worker: int) -> str:
+        """The worker's address (the lab's numbering: known before the lab exists)."""
+        return str(ipaddress.ip_network(self.lab.subnet).network_address + worker + 1)
+
+    def _rules(self, dst: int) -> dict[str | None, LinkProfile]:
+        rules: dict[str | None, LinkProfile] = {
+            self._address(src): self._effective(src, dst) for src in sorted(self._sources[dst])
+        }
+        rules[None] = self._base[dst]
+        return rules
+
+    def _set_congestion_controls(self) -> None:
+        """Make each worker's algorithm its namespace's TCP default. A namespace other than the
+        host's may only pick one of net.ipv4.tcp_allowed_congestion_control (global); one that
+        is missing there is allowed for the moment of the setting, and the list is put back at
+        once (sockets made later keep the namespace's default)."""
+        wanted = {w: self.scenario.congestion(w) for w in range(self.count)}
+        allowed = _read(ALLOWED).split()
+        missing = sorted(set(wanted.values()) - set(allowed))
+        if missing:
+            _write(ALLOWED, " ".join([*allowed, *missing]))
+        try:
+            for worker, algorithm in wanted.items():
+                self._set_congestion(worker, algorithm)
+        finally:
+            if missing:
+                _write(ALLOWED, " ".join(allowed))
+
+    def _set_congestion(self, worker: int, algorithm: str) -> None:
+        namespace = self.namespace(worker)
+        result = subprocess.run(
+            ["ip", "netns", "exec", namespace, "sysctl", "-qw",
+             f"net.ipv4.tcp_congestion_control={algorithm}"],
+            capture_output=True, text=True, timeout=30,
+        )
+        if result.returncode != 0:
+            available = _read(AVAILABLE)
+            raise NetworkError(
+                f"worker {worker}: could not set TCP congestion control {algorithm!r} in "
+                f"{namespace}: {result.stderr.strip() or 'sysctl failed'} (this kernel offers: "
+                f"{available or 'unknown'}; bbr may need `modprobe tcp_bbr`)"
+            )
+        self.congestion[worker] = algorithm
+
+    def read_congestion(self, worker: int) -> str:
+        """The TCP congestion control the kernel reports in the worker's namespace."""
+        result = subprocess.run(
+            ["ip", "netns", "exec", self.namespace(worker), "cat",
+             "/proc/sys/net/ipv4/tcp_congestion_control"],
+            capture_output=True, text=True, timeout=30, check=True,
+        )
+        return result.stdout.strip()
+
+
+def _has_loss(rules: Mapping[str | None, LinkProfile]) -> bool:
+    return any(profile.loss > 0 for profile in rules.values())
+
+
+def _most_common(profiles: list[LinkProfile]) -> LinkProfile:
+    counts = Counter(profile.model_dump_json() for profile in profiles)
+    key, _ = counts.most_common(1)[0]
+    return next(profile for profile in profiles if profile.model_dump_json() == key)
+
+
+def _write(path: str, text: str) -> None:
+    try:
+        with open(path, "w") as file:
+            file.write(text)
+    except OSError as error:
+        raise NetworkError(f"{path}: {error.strerror}: cannot allow the scenario's TCP "
+                           "congestion control in the workers' namespaces") from None
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as file:
+            return file.read().strip()
+    except OSError:
+        return ""
