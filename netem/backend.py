@@ -415,7 +415,8 @@ def _drop_nft(iface: str, netns: str | None) -> None:
 
 
 def _nft_losses(direction: Direction, iface: str, netns: str | None) -> dict[str | None, float]:
-    """{source: loss} of the interface's drop rules (`numgen random mod M < k drop`)."""
+    """{source: loss} of the interface's drop rules (`numgen random mod M < k drop`, or a plain
+    `drop`: all of it)."""
     family, chain = NFT_FAMILIES[direction], nft_chain(direction, iface)
     if (family, NFT_TABLE, chain) not in _nft_chains(netns):
         return {}
@@ -425,7 +426,7 @@ def _nft_losses(direction: Direction, iface: str, netns: str | None) -> dict[str
         expressions = item.get("rule", {}).get("expr", [])
         if not any("drop" in expression for expression in expressions):
             continue
-        source, cut = None, None
+        source, cut = None, LOSS_MODULUS  # a drop without numgen drops everything
         for expression in expressions:
             match = expression.get("match", {})
             left, right = match.get("left", {}), match.get("right")
@@ -436,9 +437,8 @@ def _nft_losses(direction: Direction, iface: str, netns: str | None) -> dict[str
                 if left["numgen"]["mod"] != LOSS_MODULUS:
                     raise ValueError(f"{chain}: a numgen rule not made by netem.apply: {item}")
                 cut = right
-        if cut is not None:
-            key = None if source is None else source_key(ipaddress.IPv4Network(source))
-            losses[key] = round(cut / LOSS_MODULUS, 9)
+        key = None if source is None else source_key(ipaddress.IPv4Network(source))
+        losses[key] = round(cut / LOSS_MODULUS, 9)
     return losses
 
 

@@ -226,7 +226,8 @@ class NftLoss(Step):
 
     Rules go in the classes' order (most specific source first); a matched source ends the chain
     with `accept` so the default's rule never sees it. Drops use `numgen random mod 10^9 < k`,
-    exact on a profile's 1e-9 grid. Only IPv4 is dropped (like the u32 classes, which are IPv4).
+    exact on a profile's 1e-9 grid; 100% loss is a plain `drop`. Only IPv4 is dropped (like
+    the u32 classes, which are IPv4).
     """
 
     direction: Direction
@@ -258,8 +259,10 @@ class NftLoss(Step):
         ]
         for source, loss in self.losses:
             selector = f"ip saddr {source} " if source is not None else everyone
-            if loss:
-                cut = round(loss * LOSS_MODULUS)
+            cut = round(loss * LOSS_MODULUS)
+            if cut >= LOSS_MODULUS:  # nft refuses `< 10^9` on a mod-10^9 number: drop all
+                lines.append(f"add rule {where} {match}{selector}drop")
+            elif cut:
                 lines.append(
                     f"add rule {where} {match}{selector}numgen random mod {LOSS_MODULUS} < {cut} "
                     "drop"

@@ -30,16 +30,13 @@ from typing import Literal
 import netem
 from netem.backend import _usable, resolve_backend
 from netem.lab import Lab
-from netem.plan import LOSS_MODULUS, UnsupportedByKernel, build_plan
+from netem.plan import UnsupportedByKernel, build_plan
 from netem.profile import LinkProfile
 from testbed.scenario.model import RampLink, Scenario, SetLink, partition_pairs
 
 Pair = tuple[int, int]
 Rules = dict[str | None, LinkProfile]
 CUT = LinkProfile(loss=1.0)
-# The fallback's nft rule cannot say 100% yet (`numgen random mod 1e9 < 1e9` is out of range):
-# it cuts with the highest loss it can say, one packet in a billion through.
-CUT_FALLBACK = LinkProfile(loss=1 - 1 / LOSS_MODULUS)
 PARALLEL = 8  # receivers re-shaped at once
 SYSCTL = "/proc/sys/net/ipv4/"
 ALLOWED = SYSCTL + "tcp_allowed_congestion_control"
@@ -80,7 +77,7 @@ class ClusterNetwork:
         self.apply_seconds: list[float] = []  # how long each change took, in order
         self._lock = threading.RLock()
         self._started = False
-        self.cut_profile = CUT if self.backend == "netem" else CUT_FALLBACK
+        self.cut_profile = CUT
 
     # -- life cycle
 

@@ -199,6 +199,13 @@ def test_fallback_loss_is_exact_on_the_profile_grid():
     assert cut / LOSS_MODULUS == profile.loss
 
 
+def test_fallback_drops_everything_with_a_plain_drop_at_100_percent():
+    (nft,) = [s for s in build_plan("p1", {"198.18.0.1": LinkProfile(loss=1.0)},
+                                    backend="fallback").steps if isinstance(s, NftLoss)]
+    assert nft.statements()[-2].endswith("ip saddr 198.18.0.1 drop")
+    assert "numgen" not in "; ".join(nft.statements())
+
+
 def test_fallback_without_loss_needs_no_nft():
     plan = build_plan("p1", LinkProfile.parse(rate="1gbit"), backend="fallback")
     assert not any(isinstance(step, NftLoss) for step in plan.steps)
