@@ -564,3 +564,141 @@ def scenario_check(
     if bad:
         typer.echo(f"{bad} of {len(files)} scenario file(s) invalid", err=True)
         raise typer.Exit(1)
+
+
+@app.command()
+def run(
+    scenario: Annotated[str, typer.Argument(
+        help="A scenario file, or the name of a shipped one (compose/scenarios/NAME.yaml).",
+        show_default=False)],
+    steps: Annotated[int | None, typer.Option(
+        help="Override the job's steps (e.g. to shorten a run).", min=1)] = None,
+    out: Annotated[str | None, typer.Option(
+        "--out", "-o", help="The run directory. Default: runs/NAME-TIME.",
+        show_default=False)] = None,
+    sandbox: Annotated[str, typer.Option(
+        help="auto: run in a User-Mode Linux guest when the scenario needs netem and this "
+        "kernel lacks it; uml: always; none: here (the fallback's clear error if it cannot).")
+    ] = "auto",
+) -> None:
+    """Run a scenario end to end: its network, its workers, its fault timeline; a live display,
+    a summary table, and the run directory with the report. Exit 1 if the run failed."""
+    from pathlib import Path
+
+    from testbed.scenario import ScenarioError, load_scenario, scenario_files
+
+    if sandbox not in ("auto", "uml", "none"):
+        typer.echo(f"--sandbox: expected auto, uml or none, got {sandbox!r}", err=True)
+        raise typer.Exit(2)
+    shipped = {path.stem: path for path in scenario_files()}
+    path = Path(scenario) if Path(scenario).exists() or scenario not in shipped else shipped[
+        scenario]
+    try:
+        loaded = load_scenario(path, steps=steps)
+    except ScenarioError as error:
+        typer.echo(str(error), err=True)
+        raise typer.Exit(2) from None
+    if sandbox == "uml" or (sandbox == "auto" and _needs_guest(loaded)):
+        raise typer.Exit(_run_in_guest(path, steps, out))
+    _run_here(path, steps, out)
+
+
+def _needs_guest(scenario) -> bool:
+    """Whether the scenario needs netem (delay, jitter, ...) that this kernel lacks."""
+    from netem.capabilities import netem_available
+    from netem.plan import UnsupportedByKernel
+    from testbed.cluster.network import ClusterNetwork
+
+    if netem_available():
+        return False
+    try:
+        ClusterNetwork(scenario, backend="fallback").check()
+    except UnsupportedByKernel:
+        return True
+    return False
+
+
+def _run_in_guest(path, steps: int | None, out: str | None) -> int:
+    """The whole run inside a UML guest with a netem kernel; the run directory is shared (the
+    guest's root is this host's)."""
+    import datetime
+    import sys
+    from pathlib import Path
+
+    from testbed import sandbox
+    from testbed.cluster.runner import safe_name
+    from testbed.scenario import load_scenario
+
+    if out is None:
+        stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d-%H%M%S")
+        out = str(Path("runs") / f"{safe_name(load_scenario(path).name)}-{stamp}")
+    kernel = _sandbox_call(sandbox.prepare)
+    typer.echo(f"this kernel has no netem: running in a User-Mode Linux guest "
+               f"({sandbox.describe(kernel)})")
+    argv = [sys.executable, "-m", "testbed.cli", "run", str(Path(path).resolve()), "--sandbox",
+            "none", "--out", str(Path(out).resolve())]
+    if steps is not None:
+        argv += ["--steps", str(steps)]
+    result = _sandbox_call(lambda: sandbox.run(argv, kernel=kernel, mem="4G", timeout=3600))
+    return result.returncode
+
+
+def _run_here(path, steps: int | None, out: str | None) -> None:
+    import math
+
+    from rich.console import Console
+    from rich.live import Live
+    from rich.table import Table
+
+    from netem.plan import UnsupportedByKernel
+    from testbed.cluster.runner import ClusterRun, WorkerState
+
+    console = Console()
+    cluster = ClusterRun(path, steps=steps, run_dir=out)
+    total = cluster.scenario.job.steps
+
+    def number(value: float | None, digits: int = 4) -> str:
+        return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else (
+            f"{value:.{digits}g}")
+
+    def table(workers: list[WorkerState]) -> Table:
+        view = Table(title=f"{cluster.scenario.name}: {cluster.scenario.summary()}")
+        for column in ("worker", "status", "step", "loss", "step time (s)", "coverage",
+                       "datagrams lost", "drift"):
+            view.add_column(column)
+        for w in workers:
+            view.add_row(str(w.rank), w.status + (f" (restarted {w.restarts}x)" if w.restarts
+                                                  else ""),
+                         f"{w.step + 1}/{total}", number(w.loss), number(w.step_seconds, 3),
+                         number(w.coverage, 3), f"{w.datagrams_lost:.0f}", number(w.drift, 3))
+        return view
+
+    console.print(f"run directory: {cluster.run_dir}")
+    try:
+        with Live(table(cluster.workers), console=console, refresh_per_second=4) as live:
+            result = cluster.run(lambda workers: live.update(table(workers)))
+    except KeyboardInterrupt:
+        console.print(f"[yellow]interrupted: everything the run made is removed; what it "
+                      f"wrote is in {cluster.run_dir}")
+        raise typer.Exit(130) from None
+    except UnsupportedByKernel as error:
+        console.print(f"[red]{error}")
+        raise typer.Exit(1) from None
+    summary = Table(title=f"{cluster.scenario.name}: summary ({result.seconds:.1f} s)")
+    for column in ("worker", "status", "steps", "final loss", "evaluation"):
+        summary.add_column(column)
+    for w in result.workers:
+        evaluation = ", ".join(f"{k} {v:.4g}" for k, v in sorted(w.evaluation.items()))
+        summary.add_row(str(w.rank), w.status, str(w.step + 1), number(w.loss), evaluation or "-")
+    console.print(summary)
+    console.print(f"run directory: {result.run_dir}")
+    if result.html is not None:
+        console.print(f"report: {result.html}")
+    if not result.success:
+        console.print(f"[red]the run failed: {result.error}")
+        raise typer.Exit(1)
+    console.print("[green]the run succeeded")
+
+
+if __name__ == "__main__":  # `python -m testbed.cli`, as the sandbox runs it in a guest
+    app()

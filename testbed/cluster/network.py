@@ -97,6 +97,20 @@ class ClusterNetwork:
         shaped: `UnsupportedByKernel` names the field), build the lab, shape every link, set each
         worker's TCP congestion control."""
         with self._lock:
+            self.check()
+            self.lab.start()
+            self._started = True
+            for dst in range(self.count):
+                host = self.lab.hosts[dst]
+                netem.apply(host.switch_port, self._rules(dst), netns=self.lab.switch,
+                            backend=self.backend)
+                self._lossy[dst] = _has_loss(self._rules(dst))
+            self._set_congestion_controls()
+
+    def check(self) -> None:
+        """Whether the backend can shape every link, now and along the timeline; pure (creates
+        nothing), so it also says where a scenario can run: `UnsupportedByKernel` if not."""
+        with self._lock:
             for dst in range(self.count):
                 incoming = [self._profiles[(s, dst)] for s in range(self.count) if s != dst]
                 self._base[dst] = _most_common(incoming) if incoming else LinkProfile()
@@ -111,14 +125,6 @@ class ClusterNetwork:
             if self._requested == "netem":
                 _usable("netem")  # the clear error when the kernel lacks sch_netem
             self._check_timeline()
-            self.lab.start()
-            self._started = True
-            for dst in range(self.count):
-                host = self.lab.hosts[dst]
-                netem.apply(host.switch_port, self._rules(dst), netns=self.lab.switch,
-                            backend=self.backend)
-                self._lossy[dst] = _has_loss(self._rules(dst))
-            self._set_congestion_controls()
 
     def _timeline_pairs(self) -> set[Pair]:
         """The links the scenario's timeline will change or cut."""

@@ -1,0 +1,288 @@
+"""`testbed run`: one scenario end to end on this host.
+
+The network of the scenario (`ClusterNetwork`: a namespace per worker, every directed pair
+shaped), one worker process per namespace (`python -m testbed.cluster.worker SPEC.json`), the
+fault timeline driven by time and by the slowest worker's step, and the run directory
+(`testbed.report`): the scenario, every event, the summary, the plots. Each worker reports a
+JSON line per step on its stdout; the runner turns them into `WorkerState`s for a live display.
+Everything the run made goes on success, failure and Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import math
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from testbed.cluster.network import ClusterNetwork
+from testbed.cluster.timeline import Timeline
+from testbed.cluster.worker import WorkerSpec
+from testbed.report import RunWriter
+from testbed.scenario import Scenario, load_scenario
+
+STOP_GRACE = 10.0  # seconds a worker gets to end after SIGTERM before SIGKILL
+POLL = 0.2  # seconds between looks at the workers when none of them says anything
+
+
+@dataclass
+class WorkerState:
+    """What the runner knows of one worker, from its last report."""
+
+    rank: int
+    status: str = "starting"  # starting, running, done, failed, killed
+    step: int = -1
+    loss: float = math.nan
+    step_seconds: float = math.nan
+    coverage: float = math.nan
+    datagrams_lost: float = 0.0
+    drift: float | None = None
+    exit_code: int | None = None
+    evaluation: dict[str, float] = field(default_factory=dict)
+    restarts: int = 0
+
+
+@dataclass
+class RunResult:
+    run_dir: Path
+    success: bool
+    seconds: float
+    workers: list[WorkerState]
+    summary: dict[str, Any]
+    html: Path | None
+    error: str | None = None
+
+
+class ClusterRun:
+    """One run of `scenario_path` (its steps overridden by `steps`, e.g. to shorten it in CI)
+    into `run_dir` (default: `runs/<name>-<UTC time>`)."""
+
+    def __init__(
+        self,
+        scenario_path: str | Path,
+        *,
+        steps: int | None = None,
+        run_dir: str | Path | None = None,
+        backend: str = "auto",
+    ) -> None:
+        self.scenario_path = Path(scenario_path)
+        self.steps = steps
+        self.scenario: Scenario = load_scenario(self.scenario_path, steps=steps)
+        stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d-%H%M%S")
+        self.run_dir = (Path(run_dir) if run_dir
+                        else Path("runs") / f"{safe_name(self.scenario.name)}-{stamp}")
+        self.backend = backend
+        self.workers = [WorkerState(rank) for rank in range(self.scenario.count)]
+        self._processes: dict[int, subprocess.Popen[str]] = {}
+        self._killed: set[int] = set()
+        self._reports: queue.Queue[tuple[int, dict[str, Any]]] = queue.Queue()
+        self._lock = threading.Lock()
+
+    def run(self, on_update: Callable[[list[WorkerState]], None] = lambda _: None) -> RunResult:
+        """Run to the end (or the first Ctrl-C, which ends the run cleanly and is re-raised)."""
+        started = time.monotonic()
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        text = self.scenario_path.read_text()
+        (self.run_dir / "logs").mkdir(exist_ok=True)
+        writer = RunWriter.create(self.run_dir, scenario=text, name=self.scenario.name)
+        error: str | None = None
+        try:
+            with ClusterNetwork(self.scenario, backend=self.backend) as network:
+                writer.event("cluster", prefix=network.prefix, hosts=network.hosts,
+                             congestion=network.congestion, backend=self.backend)
+                specs = self._specs(network)
+                timeline = Timeline(
+                    self.scenario.timeline, network, lambda record: writer.fault(**record),
+                    on_kill=self._kill, on_restart=lambda ranks: self._restart(ranks, specs),
+                    # the worker process has no hook for a burst yet: the timeline records that
+                )
+                for rank, spec in enumerate(specs):
+                    self._start(rank, spec)
+                timeline.start(offset=writer.now())
+                try:
+                    self._follow(timeline, on_update)
+                finally:
+                    timeline.stop()
+                    self._stop_all()
+        except KeyboardInterrupt:
+            error = "interrupted (Ctrl-C)"
+            raise
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+            raise
+        finally:
+            failed = [w for w in self.workers if w.status != "done"]
+            if error is None and failed:
+                error = "; ".join(f"worker {w.rank} {w.status}"
+                                  + (f" (exit {w.exit_code})" if w.exit_code else "")
+                                  for w in failed)
+            summary = writer.finish(success=error is None, error=error)
+            writer.close()
+            html = _render(self.run_dir)
+            self.result = RunResult(self.run_dir, error is None, time.monotonic() - started,
+                                    self.workers, summary, html, error)
+        return self.result
+
+    # -- workers ---------------------------------------------------------------------------
+
+    def _specs(self, network: ClusterNetwork) -> list[WorkerSpec]:
+        scenario_copy = self.run_dir / "scenario.yaml"
+        run_id = int.from_bytes(os.urandom(4), "big")
+        specs = []
+        for rank in range(self.scenario.count):
+            spec = WorkerSpec(scenario=str(scenario_copy.resolve()), steps=self.steps, rank=rank,
+                              world=self.scenario.count, hosts=list(network.hosts),
+                              run_dir=str(self.run_dir.resolve()), run_id=run_id)
+            path = self.run_dir / "logs" / f"worker-{rank}.json"
+            path.write_text(spec.to_json())
+            specs.append(spec)
+        self._namespaces = [network.namespace(rank) for rank in range(self.scenario.count)]
+        return specs
+
+    def _start(self, rank: int, spec: WorkerSpec) -> None:
+        spec_path = self.run_dir / "logs" / f"worker-{rank}.json"
+        log: IO[str] = open(self.run_dir / "logs" / f"worker-{rank}.log", "a")  # noqa: SIM115
+        process = subprocess.Popen(
+            ["ip", "netns", "exec", self._namespaces[rank], sys.executable, "-m",
+             "testbed.cluster.worker", str(spec_path)],
+            stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True,
+        )
+        log.close()  # the child holds its own descriptor
+        with self._lock:
+            self._processes[rank] = process
+            self._killed.discard(rank)
+            self.workers[rank].status = "starting"
+        threading.Thread(target=self._read, args=(rank, process), daemon=True,
+                         name=f"run-worker-{rank}").start()
+
+    def _read(self, rank: int, process: subprocess.Popen[str]) -> None:
+        """Every JSON line the worker prints goes to the queue; anything else is ignored."""
+        assert process.stdout is not None
+        for line in process.stdout:
+            with contextlib.suppress(ValueError):
+                report = json.loads(line)
+                if isinstance(report, dict):
+                    self._reports.put((rank, report))
+
+    def _kill(self, ranks: list[int]) -> None:
+        """Preemption: the worker is gone at once, without its own clean-up."""
+        for rank in ranks:
+            with self._lock:
+                process = self._processes.get(rank)
+                self._killed.add(rank)
+            if process is not None and process.poll() is None:
+                _signal_group(process, signal.SIGKILL)
+                process.wait()
+            self.workers[rank].status = "killed"
+
+    def _restart(self, ranks: list[int], specs: list[WorkerSpec]) -> None:
+        for rank in ranks:
+            self.workers[rank].restarts += 1
+            self._start(rank, specs[rank])
+
+    def _follow(self, timeline: Timeline, on_update: Callable[[list[WorkerState]], None]) -> None:
+        """Until every worker ended: apply their reports, fire step events at the slowest
+        worker's next step, and show the state."""
+        fired = -1
+        while True:
+            with contextlib.suppress(queue.Empty):
+                rank, report = self._reports.get(timeout=POLL)
+                self._apply(rank, report)
+                while True:  # everything else already queued, before redrawing
+                    rank, report = self._reports.get_nowait()
+                    self._apply(rank, report)
+            self._reap()
+            running = [w for w in self.workers if w.status in ("starting", "running")]
+            if running:
+                slowest = min(w.step for w in running) + 1
+                while fired < slowest:
+                    fired += 1
+                    timeline.on_step(fired)
+            on_update(self.workers)
+            if not running and not self._reports.qsize() and not self._restart_due():
+                return
+
+    def _restart_due(self) -> bool:
+        """A killed worker whose restart is still to come keeps the run going."""
+        planned = Counter(worker for event in self.scenario.timeline
+                          if event.action == "restart" for worker in event.restart or ())
+        return any(planned[rank] > self.workers[rank].restarts for rank in self._killed)
+
+    def _apply(self, rank: int, report: dict[str, Any]) -> None:
+        state = self.workers[rank]
+        if report.get("done"):
+            state.evaluation = dict(report.get("evaluation") or {})
+            return
+        if "step" not in report:
+            return
+        state.status = "running"
+        state.step = int(report["step"])
+        for name in ("loss", "step_seconds", "coverage", "datagrams_lost"):
+            value = report.get(name)
+            if isinstance(value, int | float):
+                setattr(state, name, float(value))
+        if report.get("drift") is not None:
+            state.drift = float(report["drift"])
+
+    def _reap(self) -> None:
+        with self._lock:
+            for rank, process in self._processes.items():
+                code = process.poll()
+                state = self.workers[rank]
+                if code is None or (state.exit_code == code and state.status != "running"):
+                    continue
+                state.exit_code = code
+                if rank in self._killed:
+                    state.status = "killed"
+                else:
+                    state.status = "done" if code == 0 else "failed"
+
+    def _stop_all(self) -> None:
+        """SIGTERM to every worker still running, SIGKILL to what is left after the grace."""
+        with self._lock:
+            processes = list(self._processes.values())
+        for process in processes:
+            if process.poll() is None:
+                _signal_group(process, signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE
+        for process in processes:
+            try:
+                process.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _signal_group(process, signal.SIGKILL)
+                process.wait()
+        self._reap()
+
+
+def _signal_group(process: subprocess.Popen[str], signum: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signum)
+
+
+def _render(run_dir: Path) -> Path | None:
+    """The run's plots and page; a report that cannot be drawn does not fail the run."""
+    from testbed.report.page import render_run
+
+    try:
+        return render_run(run_dir).html
+    except Exception as exc:
+        print(f"report: not rendered: {exc}", file=sys.stderr)
+        return None
+
+
+def safe_name(text: str) -> str:
+    """A scenario's name as a directory name."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-") or "run"

@@ -1,0 +1,268 @@
+"""The process each worker of a run executes: `python -m testbed.cluster.worker SPEC.json`.
+
+The runner starts it inside the worker's network namespace. It trains its share of the
+scenario's job over the scenario's collective, exports its metrics on `/metrics`, appends a
+step event per step to the run directory (`testbed.report`), measures parameter drift every
+`metrics.drift_every` steps, and prints one JSON line per step on stdout for the runner's live
+display, then a final `{"done": true, ...}` line. Exit 0 on success, 1 on a training error (the
+traceback on stderr), 143 on SIGTERM; the collective, the metrics server and the event file are
+closed in every case.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+PORTS = {"collective": 29500, "stream": 29501, "store": 29502, "drift": 29503, "metrics": 9100}
+DRIFT_WAIT = 5.0  # seconds to wait for the other workers' sketches before skipping a drift
+
+
+class SpecError(ValueError):
+    """A worker spec that cannot be used; the message names the field."""
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What one worker needs to know: the scenario (a path; `steps` overrides its job's), its
+    rank in `world`, every worker's address (`hosts`, by rank), the base `ports`, the run
+    directory and the run's id. With `port_stride`, rank r listens on base + r * stride, so
+    several workers can share one address (a single-host run on loopback)."""
+
+    scenario: str
+    rank: int
+    world: int
+    hosts: list[str]
+    run_dir: str
+    run_id: int = 0
+    steps: int | None = None
+    ports: dict[str, int] = field(default_factory=lambda: dict(PORTS))
+    port_stride: int = 0
+    metrics_address: str = "0.0.0.0"
+
+    def __post_init__(self) -> None:
+        if self.world < 1:
+            raise SpecError(f"world: expected at least 1, got {self.world}")
+        if not 0 <= self.rank < self.world:
+            raise SpecError(f"rank: expected 0..{self.world - 1}, got {self.rank}")
+        if len(self.hosts) != self.world:
+            raise SpecError(f"hosts: expected one address per rank ({self.world}), "
+                            f"got {len(self.hosts)}")
+        unknown = sorted(set(self.ports) - set(PORTS))
+        if unknown:
+            raise SpecError(f"ports: unknown {', '.join(unknown)}; allowed: {', '.join(PORTS)}")
+        if self.steps is not None and self.steps < 1:
+            raise SpecError(f"steps: expected at least 1 or null, got {self.steps}")
+
+    def port(self, name: str, rank: int | None = None) -> int:
+        """Port `name` of `rank` (default: this worker)."""
+        base = {**PORTS, **self.ports}[name]
+        return base + (self.rank if rank is None else rank) * self.port_stride
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> WorkerSpec:
+        try:
+            data = json.loads(text)
+        except ValueError as error:
+            raise SpecError(f"not JSON: {error}") from None
+        if not isinstance(data, dict):
+            raise SpecError("expected a JSON object")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            allowed = ", ".join(sorted(names))
+            raise SpecError(f"{', '.join(unknown)}: not a field; allowed: {allowed}")
+        missing = sorted(f.name for f in dataclasses.fields(cls)
+                         if f.default is dataclasses.MISSING
+                         and f.default_factory is dataclasses.MISSING and f.name not in data)
+        if missing:
+            raise SpecError(f"{', '.join(missing)}: required")
+        try:
+            return cls(**data)
+        except TypeError as error:
+            raise SpecError(str(error)) from None
+
+
+def placement(kind: str, spec: WorkerSpec, scenario: Any) -> dict[str, Any]:
+    """The collective's options that come from where the workers are (addresses, ports, the
+    MTU, the TCP congestion control), not from the scenario's `collective` section."""
+    hosts, rank = spec.hosts, spec.rank
+    at = [(hosts[r], spec.port("collective", r)) for r in range(spec.world)]
+    congestion = scenario.congestion(rank)
+    if kind == "ring":
+        return {"addresses": at, "run_id": spec.run_id, "congestion": congestion}
+    if kind == "lossy":
+        streams = [(hosts[r], spec.port("stream", r)) for r in range(spec.world)]
+        return {"addresses": at, "stream_addresses": streams, "run_id": spec.run_id,
+                "mtu": scenario.topology.mtu, "congestion": congestion}
+    if kind == "gloo":
+        return {"master": (hosts[0], spec.port("store", 0))}
+    if kind == "moshpit":
+        return {"store": (hosts[0], spec.port("store", 0)), "listen": at[rank],
+                "run_id": spec.run_id, "congestion": congestion}
+    raise SpecError(f"collective.kind: no placement for {kind!r}")
+
+
+def interface_of(address: str) -> str | None:
+    """The interface holding `address` in this namespace (gloo must be told which to use)."""
+    listing = subprocess.run(["ip", "-o", "-4", "addr", "show"], capture_output=True, text=True)
+    for line in listing.stdout.splitlines():
+        fields = line.split()
+        if len(fields) > 3 and fields[3].split("/")[0] == address:
+            return fields[1]
+    return None
+
+
+class DriftExchange:
+    """The workers' parameter sketches, exchanged reliably through a TCP store that rank 0
+    serves (apart from the collective, so a lossy one still gets an exact measurement)."""
+
+    def __init__(self, spec: WorkerSpec) -> None:
+        from torch.distributed import TCPStore
+
+        self.spec = spec
+        self.store = TCPStore(spec.hosts[0], spec.port("drift", 0), spec.world,
+                              is_master=spec.rank == 0,
+                              timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
+
+    def rows(self, step: int, sketch: Any) -> dict[int, Any] | None:
+        """Every worker's sketch of `step`, or None if one did not come in DRIFT_WAIT (a
+        worker killed by the timeline)."""
+        import torch
+
+        self.store.set(f"{step}/{self.spec.rank}", sketch.numpy().tobytes())
+        keys = [f"{step}/{rank}" for rank in range(self.spec.world)]
+        try:
+            self.store.wait(keys, datetime.timedelta(seconds=DRIFT_WAIT))
+        except RuntimeError:  # a timeout: c10d raises DistStoreError, a RuntimeError
+            return None
+        return {rank: torch.frombuffer(bytearray(self.store.get(key)), dtype=torch.float64)
+                for rank, key in enumerate(keys)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m testbed.cluster.worker SPEC.json", file=sys.stderr)
+        return 2
+    try:
+        spec = WorkerSpec.from_json(Path(argv[0]).read_text())
+    except (OSError, SpecError) as error:
+        print(f"worker spec {argv[0]}: {error}", file=sys.stderr)
+        return 2
+    me = os.getpid()
+
+    def on_sigterm(*_: object) -> None:
+        if os.getpid() != me:  # a forked helper holding a copy of this stack just ends
+            os._exit(143)
+        raise SystemExit(143)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    return Worker(spec).run()
+
+
+class Worker:
+    def __init__(self, spec: WorkerSpec) -> None:
+        self.spec = spec
+
+    def run(self) -> int:
+        from testbed import collectives
+        from testbed.metrics import WorkerMetrics
+        from testbed.report import RunWriter
+        from testbed.scenario import load_scenario
+
+        spec = self.spec
+        scenario = load_scenario(Path(spec.scenario), steps=spec.steps)
+        writer = RunWriter.open(spec.run_dir, rank=spec.rank)
+        metrics = WorkerMetrics(spec.rank)
+        collective = None
+        started = time.monotonic()
+        try:
+            metrics.serve(spec.port("metrics") if scenario.metrics.port else 0,
+                          spec.metrics_address)
+            for peer in range(spec.world):
+                if peer != spec.rank:
+                    metrics.set_link_profile(peer, scenario.link_profile(peer, spec.rank))
+            kind = scenario.collective.kind
+            if kind == "gloo" and (iface := interface_of(spec.hosts[spec.rank])):
+                os.environ.setdefault("GLOO_SOCKET_IFNAME", iface)
+            collective = collectives.create(kind, spec.rank, spec.world,
+                                            **scenario.collective.options(),
+                                            **placement(kind, spec, scenario))
+            drift = DriftExchange(spec) if scenario.metrics.drift_every else None
+            evaluation = self._train(scenario, collective, writer, metrics, drift)
+        except SystemExit as stop:
+            writer.end(success=False, error="terminated")
+            return int(stop.code or 143)
+        except Exception as error:
+            traceback.print_exc()
+            writer.end(success=False, error=f"{type(error).__name__}: {error}")
+            return 1
+        finally:
+            if collective is not None:
+                collective.close()
+            metrics.close()
+            writer.close()
+        _say(rank=spec.rank, done=True, evaluation=evaluation,
+             seconds=time.monotonic() - started)
+        return 0
+
+    def _train(self, scenario: Any, collective: Any, writer: Any, metrics: Any,
+               drift: DriftExchange | None) -> dict[str, float]:
+        from torch.nn.utils import parameters_to_vector
+
+        from testbed.metrics.drift import drift_from, projection
+        from testbed.train import Job
+
+        spec, config = self.spec, scenario.train_config(self.spec.rank)
+        job = Job(config, collective, spec.rank, spec.world)
+        slowdown = scenario.slowdown(spec.rank)
+        every = scenario.metrics.drift_every
+        for step in range(config.steps):
+            record = job.step(step)
+            if slowdown > 1:  # slow compute: this worker's compute takes `slowdown` times longer
+                time.sleep((slowdown - 1) * record.compute_seconds)
+            if config.eval_every and (step + 1) % config.eval_every == 0:
+                record.evaluation = job.evaluate()
+            measured = None
+            if drift is not None and (step + 1) % every == 0:
+                mine = projection(parameters_to_vector(job.parameters).detach(), step,
+                                  scenario.metrics.drift_k)
+                rows = drift.rows(step, mine)
+                if rows is not None:
+                    measured = drift_from(rows, mine)
+                    metrics.record_drift(measured)
+            metrics.record_step(record)
+            metrics.observe_transport(collective)
+            writer.step(record, drift=measured.relative if measured else None)
+            stats = record.stats
+            _say(rank=spec.rank, step=step, loss=record.loss, step_seconds=record.step_seconds,
+                 coverage=stats.coverage if stats else None,
+                 datagrams_lost=(stats.extra.get("datagrams_lost") if stats else None),
+                 drift=measured.relative if measured else None)
+        writer.end(success=True)
+        return job.evaluate()
+
+
+def _say(**fields: Any) -> None:
+    clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+             for k, v in fields.items()}
+    print(json.dumps(clean), flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""A worker's spec: it round-trips through JSON, bad fields are named, and every collective gets
+the placement options its constructor takes."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+from testbed import collectives
+from testbed.cluster.worker import PORTS, SpecError, WorkerSpec, placement
+from testbed.scenario import load_scenario
+
+HOSTS = ["198.18.0.1", "198.18.0.2", "198.18.0.3"]
+
+
+def spec(**fields) -> WorkerSpec:
+    base = dict(scenario="s.yaml", rank=1, world=3, hosts=HOSTS, run_dir="/tmp/run", run_id=9)
+    return WorkerSpec(**{**base, **fields})
+
+
+def test_round_trips_through_json():
+    original = spec(steps=5, port_stride=10, ports={"collective": 31000})
+    assert WorkerSpec.from_json(original.to_json()) == original
+    assert original.port("collective") == 31010 and original.port("collective", 2) == 31020
+    assert original.port("metrics") == PORTS["metrics"] + 10
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ('{"rank": 0}', "required"),
+    ('{"scenario": "s", "rank": 3, "world": 3, "hosts": ["a", "b", "c"], "run_dir": "r"}',
+     "rank: expected 0..2"),
+    ('{"scenario": "s", "rank": 0, "world": 2, "hosts": ["a"], "run_dir": "r"}',
+     "hosts: expected one address per rank"),
+    ('{"scenario": "s", "rank": 0, "world": 1, "hosts": ["a"], "run_dir": "r", "prots": {}}',
+     "prots: not a field"),
+    ('{"scenario": "s", "rank": 0, "world": 1, "hosts": ["a"], "run_dir": "r", '
+     '"ports": {"gossip": 1}}', "ports: unknown gossip"),
+    ("[1, 2]", "expected a JSON object"),
+    ("{", "not JSON"),
+])
+def test_bad_specs_name_the_field(text, message):
+    with pytest.raises(SpecError, match=message):
+        WorkerSpec.from_json(text)
+
+
+@pytest.mark.parametrize("kind", sorted(collectives.KINDS))
+def test_placement_gives_each_collective_options_it_takes(kind):
+    scenario = load_scenario(f"name: p\nworkers: 3\ncollective: {{kind: {kind}}}\n"
+                             "topology: {mtu: 9000, congestion: bbr}\n")
+    options = placement(kind, spec(), scenario)
+    accepted = inspect.signature(collectives.constructor(kind)).parameters
+    assert set(options) <= set(accepted), f"{kind} takes no {set(options) - set(accepted)}"
+    assert set(options) <= collectives.PLACEMENT_OPTIONS
+    if "addresses" in options:
+        assert options["addresses"][2] == (HOSTS[2], PORTS["collective"])
+    if kind == "lossy":
+        assert options["mtu"] == 9000 and options["congestion"] == "bbr"
