@@ -1,11 +1,15 @@
-# The two commands a new user needs: `make demo` (the main job) and `make test` (every tier).
-.PHONY: bootstrap demo test lint clean
+# The two commands a new user needs: `make demo` (the main job: the quickstart scenario end to
+# end) and `make test` (every tier).
+.PHONY: bootstrap demo measure test lint clean
 VENV ?= .venv
 
 bootstrap:
 	@scripts/bootstrap.sh
 
 demo: bootstrap
+	$(VENV)/bin/testbed run quickstart
+
+measure: bootstrap
 	$(VENV)/bin/testbed demo
 
 test: bootstrap

@@ -603,6 +603,9 @@ def run(
     _run_here(path, steps, out)
 
 
+FORCE_TERMINAL = "TESTBED_FORCE_TERMINAL"  # set for a guest whose output a terminal shows
+
+
 def _needs_guest(scenario) -> bool:
     """Whether the scenario needs netem (delay, jitter, ...) that this kernel lacks."""
     from netem.capabilities import netem_available
@@ -622,6 +625,7 @@ def _run_in_guest(path, steps: int | None, out: str | None) -> int:
     """The whole run inside a UML guest with a netem kernel; the run directory is shared (the
     guest's root is this host's)."""
     import datetime
+    import os
     import sys
     from pathlib import Path
 
@@ -639,12 +643,17 @@ def _run_in_guest(path, steps: int | None, out: str | None) -> int:
             "none", "--out", str(Path(out).resolve())]
     if steps is not None:
         argv += ["--steps", str(steps)]
-    result = _sandbox_call(lambda: sandbox.run(argv, kernel=kernel, mem="4G", timeout=3600))
+    env = dict(os.environ)
+    if sys.stdout.isatty():  # the guest's output comes through a pipe: keep the live display
+        env[FORCE_TERMINAL] = "1"
+    result = _sandbox_call(lambda: sandbox.run(argv, kernel=kernel, env=env, mem="4G",
+                                               timeout=3600))
     return result.returncode
 
 
 def _run_here(path, steps: int | None, out: str | None) -> None:
     import math
+    import os
 
     from rich.console import Console
     from rich.live import Live
@@ -653,7 +662,7 @@ def _run_here(path, steps: int | None, out: str | None) -> None:
     from netem.plan import UnsupportedByKernel
     from testbed.cluster.runner import ClusterRun, WorkerState
 
-    console = Console()
+    console = Console(force_terminal=True if os.environ.get(FORCE_TERMINAL) else None)
     cluster = ClusterRun(path, steps=steps, run_dir=out)
     total = cluster.scenario.job.steps
 

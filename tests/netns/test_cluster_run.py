@@ -61,3 +61,21 @@ def test_cli_refuses_a_bad_scenario_naming_the_field(tmp_path: Path):
     result = CliRunner().invoke(app, ["run", str(bad), "--sandbox", "none"])
     assert result.exit_code == 2
     assert "collective.kind" in result.output
+
+
+def test_the_quickstart_runs_in_a_guest_when_this_kernel_lacks_netem(tmp_path: Path):
+    """The README's main job, shortened: `testbed run quickstart` needs netem's delay; on a
+    kernel without sch_netem it runs the whole cluster in a UML guest and says so."""
+    from netem.capabilities import netem_available
+
+    out = tmp_path / "quickstart"
+    result = CliRunner().invoke(app, ["run", "quickstart", "--steps", "3", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    if not netem_available():
+        assert "running in a User-Mode Linux guest" in result.output
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["success"] is True
+    run = load_run(out)
+    assert {(event.rank, event.step) for event in run.steps} == {
+        (rank, step) for rank in range(4) for step in range(3)}
+    assert (out / "index.html").exists()
