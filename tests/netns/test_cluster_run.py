@@ -79,3 +79,66 @@ def test_the_quickstart_runs_in_a_guest_when_this_kernel_lacks_netem(tmp_path: P
     assert {(event.rank, event.step) for event in run.steps} == {
         (rank, step) for rank in range(4) for step in range(3)}
     assert (out / "index.html").exists()
+
+
+def test_a_run_killed_with_sigkill_is_cleaned_up_by_testbed_clean(tmp_path: Path):
+    """The runner dies without its clean-up: its namespaces and worker processes stay until
+    `testbed clean`, which removes exactly them (checked against the kernel's lists)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from pyroute2 import netns
+
+    from netem.lab import lab_namespaces
+
+    scenario = tmp_path / "long.yaml"
+    scenario.write_text(SCENARIO.replace(f"steps: {STEPS}", "steps: 100000").replace(
+        "name: run-e2e", "name: long"))
+    out = tmp_path / "run"
+    before = set(netns.listnetns())
+    runner = subprocess.Popen([sys.executable, "-m", "testbed.cli", "run", str(scenario),
+                               "--sandbox", "none", "-o", str(out)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not any(path.stat().st_size for path in out.glob("events-rank*.jsonl")):
+            assert runner.poll() is None, "the run ended before training started"
+            assert time.monotonic() < deadline, "no worker reported a step within 120 s"
+            time.sleep(0.2)  # polling the run directory, a bounded wait
+        made = set(netns.listnetns()) - before
+        workers = [int(pid) for name in made for pid in subprocess.run(
+            ["ip", "netns", "pids", name], capture_output=True, text=True).stdout.split()]
+        assert made and workers
+    finally:
+        runner.send_signal(signal.SIGKILL)
+        runner.wait()
+    assert set(netns.listnetns()) - before == made, "SIGKILL left nothing to clean?"
+
+    result = CliRunner().invoke(app, ["clean"])
+
+    assert result.exit_code == 0, result.output
+    assert set(netns.listnetns()) - before == set(), "testbed clean left namespaces"
+    assert not [name for name in made if name in lab_namespaces()]
+    for pid in workers:
+        assert _ends(pid, within=10.0), f"worker {pid} survived testbed clean"
+
+
+def _ends(pid: int, within: float) -> bool:
+    """Whether process `pid` is gone (or a zombie) within `within` seconds."""
+    import time
+
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if _zombie(pid):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] == "Z"
+    except OSError:
+        return True
