@@ -182,8 +182,11 @@ def test_pairwise_links_share_a_receiver(make_lab):
             for s in (0, 1)
         )
         from_a, from_c = a.result(), c.result()
-    assert_faithful(lossy, from_a, "loss")
-    assert_faithful(clean, from_c, "loss")
+    # The two trains' timestamps carry each other's scheduling on the one vCPU (jitter up to
+    # ~0.6 ms on a link without any): timing is test_delay_and_jitter's, loss is this test's.
+    timing = ("delay mean", "jitter (stdev)")
+    assert_faithful(lossy, from_a, "loss", ignore=timing)
+    assert_faithful(clean, from_c, "loss", ignore=timing)
     assert from_c.loss_ratio == 0
 
 
