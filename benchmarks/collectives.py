@@ -261,27 +261,6 @@ def options_for(cell: Cell, lab, port: int) -> list[dict[str, Any]]:
     raise ValueError(cell.kind)
 
 
-def set_congestion(lab, algorithm: str) -> None:
-    """Make `algorithm` the TCP default of every host's namespace (gloo's sockets are not ours
-    to set). A namespace may only pick an algorithm from tcp_allowed_congestion_control, which is
-    global; if it is not there, it is allowed for the moment of the setting and the list is put
-    back at once (sockets made later keep the namespace default)."""
-    allowed_path = Path("/proc/sys/net/ipv4/tcp_allowed_congestion_control")
-    allowed = allowed_path.read_text().split()
-    widened = algorithm not in allowed
-    if widened:
-        allowed_path.write_text(" ".join([*allowed, algorithm]))
-    try:
-        for host in lab.hosts:
-            done = lab.run(host, ["sysctl", "-qw",
-                                  f"net.ipv4.tcp_congestion_control={algorithm}"])
-            if done.returncode != 0:
-                raise RuntimeError(f"{host.netns}: setting TCP {algorithm}: {done.stderr}")
-    finally:
-        if widened:
-            allowed_path.write_text(" ".join(allowed))
-
-
 def shape(lab, rate: float | None, loss: float) -> None:
     from netem import apply
     from netem.profile import LinkProfile
@@ -303,8 +282,11 @@ def run_cell(lab, cell: Cell, port: int, logs: Path) -> Outcome:
     timeout; kill whatever is left, whatever happens."""
     started = time.monotonic()
     outcome = Outcome(cell, "failed")
-    set_congestion(lab, cell.kind.split("-", 1)[1] if cell.kind.startswith("gloo")
-                   else TCP_CONGESTION)
+    from testbed.cluster.network import set_default_congestion
+
+    # gloo's sockets are not ours to set: every namespace's default is the cell's algorithm
+    algorithm = cell.kind.split("-", 1)[1] if cell.kind.startswith("gloo") else TCP_CONGESTION
+    set_default_congestion({host.netns: algorithm for host in lab.hosts})
     calls = cell.warmups + cell.reps
     lines: queue.Queue[tuple[int, dict[str, Any] | None]] = queue.Queue()
     processes: list[subprocess.Popen[str]] = []

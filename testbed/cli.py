@@ -599,7 +599,7 @@ def run(
         typer.echo(str(error), err=True)
         raise typer.Exit(2) from None
     if sandbox == "uml" or (sandbox == "auto" and _needs_guest(loaded)):
-        raise typer.Exit(_run_in_guest(path, steps, out))
+        raise typer.Exit(_run_in_guest(path, loaded.name, steps, out))
     _run_here(path, steps, out)
 
 
@@ -621,7 +621,7 @@ def _needs_guest(scenario) -> bool:
     return False
 
 
-def _run_in_guest(path, steps: int | None, out: str | None) -> int:
+def _run_in_guest(path, name: str, steps: int | None, out: str | None) -> int:
     """The whole run inside a UML guest with a netem kernel; the run directory is shared (the
     guest's root is this host's)."""
     import datetime
@@ -631,11 +631,10 @@ def _run_in_guest(path, steps: int | None, out: str | None) -> int:
 
     from testbed import sandbox
     from testbed.cluster.runner import safe_name
-    from testbed.scenario import load_scenario
 
     if out is None:
         stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d-%H%M%S")
-        out = str(Path("runs") / f"{safe_name(load_scenario(path).name)}-{stamp}")
+        out = str(Path("runs") / f"{safe_name(name)}-{stamp}")
     kernel = _sandbox_call(sandbox.prepare)
     typer.echo(f"this kernel has no netem: running in a User-Mode Linux guest "
                f"({sandbox.describe(kernel)})")

@@ -36,11 +36,11 @@ from testbed.scenario.model import RampLink, Scenario, SetLink, partition_pairs
 
 Pair = tuple[int, int]
 Rules = dict[str | None, LinkProfile]
-CUT = LinkProfile(loss=1.0)
+CUT = LinkProfile(loss=1.0)  # what a partitioned link carries: nothing
 PARALLEL = 8  # receivers re-shaped at once
 SYSCTL = "/proc/sys/net/ipv4/"
 ALLOWED = SYSCTL + "tcp_allowed_congestion_control"
-AVAILABLE = SYSCTL + "tcp_available_congestion_control"  # what a partitioned link carries: nothing
+AVAILABLE = SYSCTL + "tcp_available_congestion_control"
 
 
 class NetworkError(RuntimeError):
@@ -301,37 +301,10 @@ class ClusterNetwork:
         return rules
 
     def _set_congestion_controls(self) -> None:
-        """Make each worker's algorithm its namespace's TCP default. A namespace other than the
-        host's may only pick one of net.ipv4.tcp_allowed_congestion_control (global); one that
-        is missing there is allowed for the moment of the setting, and the list is put back at
-        once (sockets made later keep the namespace's default)."""
+        """Make each worker's algorithm its namespace's TCP default."""
         wanted = {w: self.scenario.congestion(w) for w in range(self.count)}
-        allowed = _read(ALLOWED).split()
-        missing = sorted(set(wanted.values()) - set(allowed))
-        if missing:
-            _write(ALLOWED, " ".join([*allowed, *missing]))
-        try:
-            for worker, algorithm in wanted.items():
-                self._set_congestion(worker, algorithm)
-        finally:
-            if missing:
-                _write(ALLOWED, " ".join(allowed))
-
-    def _set_congestion(self, worker: int, algorithm: str) -> None:
-        namespace = self.namespace(worker)
-        result = subprocess.run(
-            ["ip", "netns", "exec", namespace, "sysctl", "-qw",
-             f"net.ipv4.tcp_congestion_control={algorithm}"],
-            capture_output=True, text=True, timeout=30,
-        )
-        if result.returncode != 0:
-            available = _read(AVAILABLE)
-            raise NetworkError(
-                f"worker {worker}: could not set TCP congestion control {algorithm!r} in "
-                f"{namespace}: {result.stderr.strip() or 'sysctl failed'} (this kernel offers: "
-                f"{available or 'unknown'}; bbr may need `modprobe tcp_bbr`)"
-            )
-        self.congestion[worker] = algorithm
+        set_default_congestion({self.namespace(w): algorithm for w, algorithm in wanted.items()})
+        self.congestion.update(wanted)
 
     def read_congestion(self, worker: int) -> str:
         """The TCP congestion control the kernel reports in the worker's namespace."""
@@ -351,6 +324,33 @@ def _most_common(profiles: list[LinkProfile]) -> LinkProfile:
     counts = Counter(profile.model_dump_json() for profile in profiles)
     key, _ = counts.most_common(1)[0]
     return next(profile for profile in profiles if profile.model_dump_json() == key)
+
+
+def set_default_congestion(choices: Mapping[str, str]) -> None:
+    """Make `choices[namespace]` the TCP congestion control of each namespace (sockets made
+    later use it, also ones that are not ours to set, like gloo's). A namespace other than the
+    host's may only pick one of net.ipv4.tcp_allowed_congestion_control (global); one that is
+    missing there is allowed for the moment of the setting, and the list is put back at once."""
+    allowed = _read(ALLOWED).split()
+    missing = sorted(set(choices.values()) - set(allowed))
+    if missing:
+        _write(ALLOWED, " ".join([*allowed, *missing]))
+    try:
+        for namespace, algorithm in choices.items():
+            result = subprocess.run(
+                ["ip", "netns", "exec", namespace, "sysctl", "-qw",
+                 f"net.ipv4.tcp_congestion_control={algorithm}"],
+                capture_output=True, text=True, timeout=30,
+            )
+            if result.returncode != 0:
+                raise NetworkError(
+                    f"{namespace}: could not set TCP congestion control {algorithm!r}: "
+                    f"{result.stderr.strip() or 'sysctl failed'} (this kernel offers: "
+                    f"{_read(AVAILABLE) or 'unknown'}; bbr may need `modprobe tcp_bbr`)"
+                )
+    finally:
+        if missing:
+            _write(ALLOWED, " ".join(allowed))
 
 
 def _write(path: str, text: str) -> None:

@@ -103,14 +103,14 @@ class ClusterRun:
             with ClusterNetwork(self.scenario, backend=self.backend) as network:
                 writer.event("cluster", prefix=network.prefix, hosts=network.hosts,
                              congestion=network.congestion, backend=self.backend)
-                specs = self._specs(network)
+                self._write_specs(network)
                 timeline = Timeline(
                     self.scenario.timeline, network, lambda record: writer.fault(**record),
-                    on_kill=self._kill, on_restart=lambda ranks: self._restart(ranks, specs),
+                    on_kill=self._kill, on_restart=self._restart,
                     # the worker process has no hook for a burst yet: the timeline records that
                 )
-                for rank, spec in enumerate(specs):
-                    self._start(rank, spec)
+                for rank in range(self.scenario.count):
+                    self._start(rank)
                 timeline.start(offset=writer.now())
                 try:
                     self._follow(timeline, on_update)
@@ -138,26 +138,25 @@ class ClusterRun:
 
     # -- workers ---------------------------------------------------------------------------
 
-    def _specs(self, network: ClusterNetwork) -> list[WorkerSpec]:
+    def _write_specs(self, network: ClusterNetwork) -> None:
         scenario_copy = self.run_dir / "scenario.yaml"
         run_id = int.from_bytes(os.urandom(4), "big")
-        specs = []
         for rank in range(self.scenario.count):
             spec = WorkerSpec(scenario=str(scenario_copy.resolve()), steps=self.steps, rank=rank,
                               world=self.scenario.count, hosts=list(network.hosts),
                               run_dir=str(self.run_dir.resolve()), run_id=run_id)
-            path = self.run_dir / "logs" / f"worker-{rank}.json"
-            path.write_text(spec.to_json())
-            specs.append(spec)
+            self._spec_path(rank).write_text(spec.to_json())
         self._namespaces = [network.namespace(rank) for rank in range(self.scenario.count)]
-        return specs
 
-    def _start(self, rank: int, spec: WorkerSpec) -> None:
-        spec_path = self.run_dir / "logs" / f"worker-{rank}.json"
+    def _spec_path(self, rank: int) -> Path:
+        return self.run_dir / "logs" / f"worker-{rank}.json"
+
+    def _start(self, rank: int) -> None:
+        """Start (or restart) worker `rank` from its spec file, in its namespace."""
         log: IO[str] = open(self.run_dir / "logs" / f"worker-{rank}.log", "a")  # noqa: SIM115
         process = subprocess.Popen(
             ["ip", "netns", "exec", self._namespaces[rank], sys.executable, "-m",
-             "testbed.cluster.worker", str(spec_path)],
+             "testbed.cluster.worker", str(self._spec_path(rank))],
             stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True,
         )
         log.close()  # the child holds its own descriptor
@@ -188,10 +187,10 @@ class ClusterRun:
                 process.wait()
             self.workers[rank].status = "killed"
 
-    def _restart(self, ranks: list[int], specs: list[WorkerSpec]) -> None:
+    def _restart(self, ranks: list[int]) -> None:
         for rank in ranks:
             self.workers[rank].restarts += 1
-            self._start(rank, specs[rank])
+            self._start(rank)
 
     def _follow(self, timeline: Timeline, on_update: Callable[[list[WorkerState]], None]) -> None:
         """Until every worker ended: apply their reports, fire step events at the slowest
@@ -242,7 +241,7 @@ class ClusterRun:
             for rank, process in self._processes.items():
                 code = process.poll()
                 state = self.workers[rank]
-                if code is None or (state.exit_code == code and state.status != "running"):
+                if code is None:
                     continue
                 state.exit_code = code
                 if rank in self._killed:
