@@ -13,6 +13,7 @@ import urllib.request
 
 import pytest
 import torch
+from nft_drop import drop
 from prometheus_client.parser import text_string_to_metric_families
 
 from netem.probe import inside
@@ -22,16 +23,6 @@ from testbed.transport import Kind, Listener, Stream
 pytestmark = pytest.mark.netns
 RUN = 4343
 WAIT = 20.0
-
-
-def _drop(lab, host, match: str, percent: int) -> None:
-    for command in (
-        "add table inet loss",
-        "add chain inet loss pre { type filter hook prerouting priority -300 ; }",
-        f"add rule inet loss pre {match} numgen random mod 100 < {percent} counter drop",
-    ):
-        result = lab.run(host, ["nft", *command.split()])
-        assert result.returncode == 0, f"nft {command}: {result.stderr}"
 
 
 def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -57,7 +48,7 @@ def test_retransmits_of_a_lossy_link_are_exported_by_the_worker(make_lab):
         assert metrics.registry.get_sample_value(
             "testbed_netns_tcp_retransmitted_segments_total", {"rank": "0"}) is None
 
-        _drop(lab, b, f"tcp dport {listener.address[1]}", 5)
+        drop(lab, b, f"tcp dport {listener.address[1]}", 5)
         tensor = torch.randn(1_000_000)
         received: dict[str, torch.Tensor] = {}
         receiving = threading.Thread(target=lambda: received.setdefault(

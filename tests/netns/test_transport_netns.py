@@ -17,6 +17,7 @@ import time
 
 import pytest
 import torch
+from nft_drop import drop
 
 from netem.lab import Host, Lab
 from netem.probe import inside
@@ -34,17 +35,6 @@ pytestmark = pytest.mark.netns
 RUN = 4242
 WAIT = 20.0
 MARKER = 100  # UDP length (header included) below which the drop rule lets a datagram pass
-
-
-def drop(lab: Lab, host: Host, match: str, percent: int) -> None:
-    """Drop `percent`% of the packets matching `match` on their way into `host`."""
-    for command in (
-        "add table inet loss",
-        "add chain inet loss pre { type filter hook prerouting priority -300 ; }",
-        f"add rule inet loss pre {match} numgen random mod 100 < {percent} counter drop",
-    ):
-        result = lab.run(host, ["nft", *command.split()])
-        assert result.returncode == 0, f"nft {command}: {result.stderr}"
 
 
 def dropped(lab: Lab, host: Host) -> int:
