@@ -111,10 +111,10 @@ class Lossy:
     ) -> None:
         """`mtu` sizes the datagrams and `rate` (bits/s) paces them (None: unpaced). With
         `settle` (seconds) ends a phase once every sender's stream has ended and nothing came
-        for that long (the rest was lost; None waits to the deadline). With
-        `resync_every` N > 0, every step whose number + 1 is a multiple of N broadcasts over
+        for that long (the rest was lost; None waits to the deadline). The workers meet over
         TCP at `stream_addresses` (default: `addresses`; TCP ports are apart from UDP's), with
-        `congestion` control and `timeout` per message. `endpoint` and `listener`, if given,
+        `congestion` control and `timeout` per message, before the first datagram; with
+        `resync_every` N > 0, every step whose number + 1 is a multiple of N broadcasts there. `endpoint` and `listener`, if given,
         are this rank's already bound sockets (then they are at `addresses[rank]` and
         `stream_addresses[rank]`) and are closed with this object. `test_loss` is for tests."""
         if not 0 <= rank < world:
@@ -144,7 +144,7 @@ class Lossy:
             for _ in range(2)
         )
         self._calls = 0
-        self._mesh: StreamMesh | None = None
+        self._mesh: StreamMesh | None = None  # set below; None only if building it failed
         self._listener = listener
         self._sender: ThreadPoolExecutor | None = None
         self.endpoint = endpoint or DatagramEndpoint(rank, run_id, tuple(addresses[rank]),
@@ -152,11 +152,14 @@ class Lossy:
         try:
             for peer in self.peers:
                 self.endpoint.add_peer(peer, tuple(addresses[peer]))
+            # The TCP mesh (which the resync uses) is also the rendezvous: once it is up, every
+            # peer's datagram socket is bound, so no first datagram goes to a port nobody holds
+            # yet (the kernel would drop it, and it would count as loss on the link).
+            self._listener = listener or Listener(tuple(stream_addresses[rank]),
+                                                  congestion=congestion)
+            self._mesh = StreamMesh.open(rank, self._listener, dict(enumerate(
+                stream_addresses)), run_id=run_id, timeout=timeout)
             if resync_every:
-                self._listener = listener or Listener(tuple(stream_addresses[rank]),
-                                                      congestion=congestion)
-                self._mesh = StreamMesh.open(rank, self._listener, dict(enumerate(
-                    stream_addresses)), run_id=run_id, timeout=timeout)
                 self._sender = ThreadPoolExecutor(1, thread_name_prefix=f"lossy-{rank}-send")
         except BaseException:
             self.close()
@@ -222,7 +225,7 @@ class Lossy:
         payload = torch.cat([fresh.to(result.dtype), accumulator.weight.to(result.dtype)])
 
         broadcasting = time.monotonic()
-        reliable = self._mesh is not None and (step + 1) % self.resync_every == 0
+        reliable = self.resync_every > 0 and (step + 1) % self.resync_every == 0
         broadcast_deadline = 0.0 if reliable else self.broadcast_deadline.seconds
         if reliable:
             received = self._broadcast_reliably(payload, step, bucket, sizes, chunk_numel)
