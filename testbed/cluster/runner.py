@@ -11,6 +11,7 @@ Everything the run made goes on success, failure and Ctrl-C.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import json
 import math
@@ -30,9 +31,10 @@ from typing import IO, Any
 
 from testbed.cluster.network import ClusterNetwork
 from testbed.cluster.timeline import Timeline
-from testbed.cluster.worker import WorkerSpec
+from testbed.cluster.worker import WorkerSpec, control_path
 from testbed.report import RunWriter
 from testbed.scenario import Scenario, load_scenario
+from testbed.scenario.model import Event
 
 STOP_GRACE = 10.0  # seconds a worker gets to end after SIGTERM before SIGKILL
 POLL = 0.2  # seconds between looks at the workers when none of them says anything
@@ -107,7 +109,7 @@ class ClusterRun:
                 timeline = Timeline(
                     self.scenario.timeline, network, lambda record: writer.fault(**record),
                     on_kill=self._kill, on_restart=self._restart,
-                    # the worker process has no hook for a burst yet: the timeline records that
+                    on_straggler_burst=self._burst,
                 )
                 for rank in range(self.scenario.count):
                     self._start(rank)
@@ -188,9 +190,30 @@ class ClusterRun:
             self.workers[rank].status = "killed"
 
     def _restart(self, ranks: list[int]) -> None:
+        """A preempted worker comes back at the step after the most advanced live one's."""
+        with self._lock:
+            live = [w.step for w in self.workers
+                    if w.rank not in self._killed and w.status in ("starting", "running")]
+        start_step = max(live, default=-1) + 1
         for rank in ranks:
+            spec = WorkerSpec.from_json(self._spec_path(rank).read_text())
+            spec = dataclasses.replace(spec, start_step=start_step)
+            self._spec_path(rank).write_text(spec.to_json())
             self.workers[rank].restarts += 1
             self._start(rank)
+
+    def _burst(self, event: Event) -> None:
+        """A straggler burst goes to each of its workers' control files (`BurstControl`)."""
+        burst = event.straggler_burst
+        assert burst is not None
+        line = json.dumps({
+            "delay": burst.delay.model_dump(exclude_none=True),
+            "steps": burst.steps,
+            "until": time.time() + burst.duration if burst.duration else None,
+        }) + "\n"
+        for rank in burst.workers:
+            with control_path(self.run_dir, rank).open("a") as control:
+                control.write(line)
 
     def _follow(self, timeline: Timeline, on_update: Callable[[list[WorkerState]], None]) -> None:
         """Until every worker ended: apply their reports, fire step events at the slowest

@@ -2,9 +2,13 @@
 
 The runner starts it inside the worker's network namespace. It trains its share of the
 scenario's job over the scenario's collective, exports its metrics on `/metrics`, appends a
-step event per step to the run directory (`testbed.report`), measures parameter drift every
-`metrics.drift_every` steps, and prints one JSON line per step on stdout for the runner's live
-display, then a final `{"done": true, ...}` line. Exit 0 on success, 1 on a training error (the
+step event per step to the run directory (`testbed.report`), swaps a parameter sketch and its
+compute times with the other workers every `metrics.drift_every` steps (parameter drift and the
+straggler wait), applies the straggler bursts the runner appends to its control file, and
+prints one JSON line per step on stdout for the runner's live display, then a final
+`{"done": true, ...}` line. A worker restarted after a preemption (`start_step` > 0) resumes
+at that step and, with a collective that can (Moshpit), first pulls the current parameters
+from a live peer. Exit 0 on success, 1 on a training error (the
 traceback on stderr), 143 on SIGTERM; the collective, the metrics server and the event file are
 closed in every case.
 """
@@ -26,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 PORTS = {"collective": 29500, "stream": 29501, "store": 29502, "drift": 29503, "metrics": 9100}
-DRIFT_WAIT = 5.0  # seconds to wait for the other workers' sketches before skipping a drift
+EXCHANGE_WAIT = 5.0  # seconds to wait for the other workers' figures before skipping them
 
 
 class SpecError(ValueError):
@@ -38,7 +42,8 @@ class WorkerSpec:
     """What one worker needs to know: the scenario (a path; `steps` overrides its job's), its
     rank in `world`, every worker's address (`hosts`, by rank), the base `ports`, the run
     directory and the run's id. With `port_stride`, rank r listens on base + r * stride, so
-    several workers can share one address (a single-host run on loopback)."""
+    several workers can share one address (a single-host run on loopback). `start_step`: the
+    first step to run (a restarted worker rejoins the run where the others are)."""
 
     scenario: str
     rank: int
@@ -50,6 +55,7 @@ class WorkerSpec:
     ports: dict[str, int] = field(default_factory=lambda: dict(PORTS))
     port_stride: int = 0
     metrics_address: str = "0.0.0.0"
+    start_step: int = 0
 
     def __post_init__(self) -> None:
         if self.world < 1:
@@ -64,6 +70,8 @@ class WorkerSpec:
             raise SpecError(f"ports: unknown {', '.join(unknown)}; allowed: {', '.join(PORTS)}")
         if self.steps is not None and self.steps < 1:
             raise SpecError(f"steps: expected at least 1 or null, got {self.steps}")
+        if self.start_step < 0:
+            raise SpecError(f"start_step: expected at least 0, got {self.start_step}")
 
     def port(self, name: str, rank: int | None = None) -> int:
         """Port `name` of `rank` (default: this worker)."""
@@ -127,9 +135,9 @@ def interface_of(address: str) -> str | None:
     return None
 
 
-class DriftExchange:
-    """The workers' parameter sketches, exchanged reliably through a TCP store that rank 0
-    serves (apart from the collective, so a lossy one still gets an exact measurement)."""
+class PeerExchange:
+    """Every worker's figures of a step, swapped reliably through a TCP store that rank 0
+    serves (apart from the collective, so a lossy one still gets exact figures)."""
 
     def __init__(self, spec: WorkerSpec) -> None:
         from torch.distributed import TCPStore
@@ -139,19 +147,62 @@ class DriftExchange:
                               is_master=spec.rank == 0,
                               timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
 
-    def rows(self, step: int, sketch: Any) -> dict[int, Any] | None:
-        """Every worker's sketch of `step`, or None if one did not come in DRIFT_WAIT (a
-        worker killed by the timeline)."""
+    def rows(self, step: int, values: Any) -> dict[int, Any] | None:
+        """Every worker's `values` (a float64 tensor) of `step`, or None if one did not come
+        within EXCHANGE_WAIT (a worker killed by the timeline)."""
         import torch
 
-        self.store.set(f"{step}/{self.spec.rank}", sketch.numpy().tobytes())
+        self.store.set(f"{step}/{self.spec.rank}", values.numpy().tobytes())
         keys = [f"{step}/{rank}" for rank in range(self.spec.world)]
         try:
-            self.store.wait(keys, datetime.timedelta(seconds=DRIFT_WAIT))
+            self.store.wait(keys, datetime.timedelta(seconds=EXCHANGE_WAIT))
         except RuntimeError:  # a timeout: c10d raises DistStoreError, a RuntimeError
             return None
         return {rank: torch.frombuffer(bytearray(self.store.get(key)), dtype=torch.float64)
                 for rank, key in enumerate(keys)}
+
+
+class BurstControl:
+    """The straggler bursts the runner sends while the run goes (the timeline's
+    `straggler_burst`): JSON lines appended to this worker's control file, read before every
+    step. Each line is `{"delay": <straggler spec>, "steps": n}` or `{..., "until": <epoch
+    seconds>}`. A restarted worker starts at the file's end: bursts are not replayed."""
+
+    def __init__(self, path: Path, seed: int, rank: int) -> None:
+        self.path, self.seed, self.rank = path, seed, rank
+        self._offset = path.stat().st_size if path.exists() else 0
+        self._received = 0
+        self._active: list[tuple[Any, int | None, float | None]] = []
+
+    def delay(self) -> float:
+        """Seconds the bursts in force add to this step's compute."""
+        from testbed.train.stragglers import StragglerDelay, StragglerSpec
+
+        for line in self._new_lines():
+            burst = json.loads(line)
+            self._received += 1
+            draws = StragglerDelay(StragglerSpec.parse(burst["delay"]),
+                                   self.seed + self._received, self.rank)
+            self._active.append((draws, burst.get("steps"), burst.get("until")))
+        now, total, still = time.time(), 0.0, []
+        for draws, steps, until in self._active:
+            if (steps is not None and steps <= 0) or (until is not None and now >= until):
+                continue
+            total += draws.next()
+            still.append((draws, None if steps is None else steps - 1, until))
+        self._active = still
+        return total
+
+    def _new_lines(self) -> list[str]:
+        try:
+            with self.path.open("rb") as control:
+                control.seek(self._offset)
+                data = control.read()
+        except FileNotFoundError:
+            return []
+        complete = data[:data.rfind(b"\n") + 1]  # a line still being written waits
+        self._offset += len(complete)
+        return [line for line in complete.decode().splitlines() if line.strip()]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -203,8 +254,8 @@ class Worker:
             collective = collectives.create(kind, spec.rank, spec.world,
                                             **scenario.collective.options(),
                                             **placement(kind, spec, scenario))
-            drift = DriftExchange(spec) if scenario.metrics.drift_every else None
-            evaluation = self._train(scenario, collective, writer, metrics, drift)
+            exchange = PeerExchange(spec) if scenario.metrics.drift_every else None
+            evaluation = self._train(scenario, collective, writer, metrics, exchange)
         except SystemExit as stop:
             writer.end(success=False, error="terminated")
             return int(stop.code or 143)
@@ -222,30 +273,31 @@ class Worker:
         return 0
 
     def _train(self, scenario: Any, collective: Any, writer: Any, metrics: Any,
-               drift: DriftExchange | None) -> dict[str, float]:
-        from torch.nn.utils import parameters_to_vector
+               exchange: PeerExchange | None) -> dict[str, float]:
+        from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-        from testbed.metrics.drift import drift_from, projection
         from testbed.train import Job
 
         spec, config = self.spec, scenario.train_config(self.spec.rank)
-        job = Job(config, collective, spec.rank, spec.world)
-        slowdown = scenario.slowdown(spec.rank)
+        job = Job(config, collective, spec.rank, spec.world,
+                  slowdown=scenario.slowdown(spec.rank))
+        if spec.start_step and hasattr(collective, "pull_state"):
+            state = collective.pull_state()
+            if state is not None:
+                vector_to_parameters(state.to(torch_dtype(job)), job.parameters)
+        bursts = BurstControl(control_path(spec.run_dir, spec.rank), config.seed, spec.rank)
         every = scenario.metrics.drift_every
-        for step in range(config.steps):
-            record = job.step(step)
-            if slowdown > 1:  # slow compute: this worker's compute takes `slowdown` times longer
-                time.sleep((slowdown - 1) * record.compute_seconds)
+        computes: dict[int, float] = {}
+        for step in range(spec.start_step, config.steps):
+            record = job.step(step, extra_delay=bursts.delay())
+            computes[step] = record.compute_seconds
             if config.eval_every and (step + 1) % config.eval_every == 0:
                 record.evaluation = job.evaluate()
             measured = None
-            if drift is not None and (step + 1) % every == 0:
-                mine = projection(parameters_to_vector(job.parameters).detach(), step,
-                                  scenario.metrics.drift_k)
-                rows = drift.rows(step, mine)
-                if rows is not None:
-                    measured = drift_from(rows, mine)
-                    metrics.record_drift(measured)
+            if exchange is not None and (step + 1) % every == 0:
+                vector = parameters_to_vector(job.parameters).detach()
+                measured = self._exchange(exchange, metrics, scenario, step, vector, computes)
+                computes.clear()
             metrics.record_step(record)
             metrics.observe_transport(collective)
             writer.step(record, drift=measured.relative if measured else None)
@@ -256,6 +308,39 @@ class Worker:
                  drift=measured.relative if measured else None)
         writer.end(success=True)
         return job.evaluate()
+
+    def _exchange(self, exchange: PeerExchange, metrics: Any, scenario: Any, step: int,
+                  vector: Any, computes: dict[int, float]) -> Any:
+        """Swap this worker's parameter sketch and its compute time of each step since the
+        last exchange; record the drift and, for every step all workers ran, how long this one
+        waited for the slowest. Returns the drift, or None if a worker did not answer."""
+        import torch
+
+        from testbed.metrics.drift import drift_from, projection
+
+        k, every = scenario.metrics.drift_k, scenario.metrics.drift_every
+        window = range(step - every + 1, step + 1)
+        mine = torch.tensor([computes.get(s, math.nan) for s in window], dtype=torch.float64)
+        sketch = projection(vector, step, k)
+        rows = exchange.rows(step, torch.cat([sketch, mine]))
+        if rows is None:
+            return None
+        times = torch.stack([row[k:] for _, row in sorted(rows.items())])  # (world, every)
+        for column in times.T[times.isfinite().all(dim=0)]:
+            metrics.record_peer_compute(dict(enumerate(column.tolist())))
+        measured = drift_from({rank: row[:k] for rank, row in rows.items()}, sketch)
+        metrics.record_drift(measured)
+        return measured
+
+
+def control_path(run_dir: str | Path, rank: int) -> Path:
+    """Where the runner appends worker `rank`'s straggler bursts."""
+    return Path(run_dir) / "logs" / f"control-{rank}.jsonl"
+
+
+def torch_dtype(job: Any) -> Any:
+    """The dtype of the job's parameters (a pulled state comes as sent)."""
+    return job.parameters[0].dtype
 
 
 def _say(**fields: Any) -> None:

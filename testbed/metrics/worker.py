@@ -277,8 +277,8 @@ class WorkerMetrics:
         self.compute_duration.labels(rank).observe(record.compute_seconds)
         self.wait_duration.labels(rank).observe(record.wait_seconds)
         if peer_compute_seconds:
-            computes = {**peer_compute_seconds, self.rank_number: record.compute_seconds}
-            self.straggler_wait.labels(rank).observe(straggler_wait(computes, self.rank_number))
+            self.record_peer_compute({**peer_compute_seconds,
+                                      self.rank_number: record.compute_seconds})
         self.injected_delay.labels(rank).inc(max(0.0, record.injected_delay_seconds))
         self.micro_batches.labels(rank).inc(record.micro_batches)
         self.micro_batches_dropped.labels(rank).inc(record.micro_batches_dropped)
@@ -290,6 +290,12 @@ class WorkerMetrics:
         stats = stats if stats is not None else record.stats
         if stats is not None:
             self.record_collective(stats)
+
+    def record_peer_compute(self, compute_seconds_by_rank: Mapping[int, float]) -> None:
+        """Every worker's compute time of one synchronous step (this one's included), e.g. as
+        swapped with the drift sketch: observes how long this worker waited for the slowest."""
+        self.straggler_wait.labels(self.rank).observe(
+            straggler_wait(compute_seconds_by_rank, self.rank_number))
 
     def _learning(self, split: str, figures: Mapping[str, float]) -> None:
         if "loss" in figures:

@@ -121,7 +121,10 @@ class Job:
         rank: int,
         world: int,
         clock: Clock | None = None,
+        slowdown: float = 1.0,
     ) -> None:
+        if slowdown < 1:
+            raise ValueError(f"slowdown: expected at least 1 (1: full speed), got {slowdown}")
         if (collective.rank, collective.world) != (rank, world):
             raise ValueError(
                 f"collective is rank {collective.rank} of {collective.world}, "
@@ -132,6 +135,7 @@ class Job:
         self.collective = collective
         self.rank = rank
         self.clock = clock or SystemClock()
+        self.slowdown = slowdown
         self.data = load_dataset(config)
         self.shard = Shard(len(self.data.train_y), rank, world, config.seed)
         self.model = build_model(config.model, self.data, config.context, config.seed)
@@ -146,20 +150,25 @@ class Job:
             else None
         )
 
-    def step(self, step: int) -> StepRecord:
+    def step(self, step: int, extra_delay: float = 0.0) -> StepRecord:
+        """Run step `step`; `extra_delay`: seconds of injected delay on top of the worker's own
+        straggler draw (a straggler burst from the fault timeline)."""
         config, clock = self.config, self.clock
         start = clock.now()
-        delay_share = (self.delay.next() if self.delay else 0.0) / config.micro_batches
+        injected = (self.delay.next() if self.delay else 0.0) + extra_delay
+        delay_share = injected / config.micro_batches
         for parameter in self.parameters:
             parameter.grad = None
         losses: list[float] = []
         starts: list[float] = []
         for micro in self.shard.batch(step, config.batch).chunk(config.micro_batches):
-            starts.append(clock.now() - start)
+            began = clock.now()
+            starts.append(began - start)
             loss = loss_fn(self.model(self.data.train_x[micro]), self.data.train_y[micro])
             loss.backward()
             losses.append(loss.item())
-            clock.sleep(delay_share)
+            # A slow machine takes `slowdown` times as long for the same work.
+            clock.sleep(delay_share + (self.slowdown - 1) * (clock.now() - began))
             if self.drop is not None and self.drop.stop(clock.now() - start):
                 break
         compute_end = clock.now()
