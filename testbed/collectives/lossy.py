@@ -114,9 +114,10 @@ class Lossy:
         for that long (the rest was lost; None waits to the deadline). The workers meet over
         TCP at `stream_addresses` (default: `addresses`; TCP ports are apart from UDP's), with
         `congestion` control and `timeout` per message, before the first datagram; with
-        `resync_every` N > 0, every step whose number + 1 is a multiple of N broadcasts there. `endpoint` and `listener`, if given,
-        are this rank's already bound sockets (then they are at `addresses[rank]` and
-        `stream_addresses[rank]`) and are closed with this object. `test_loss` is for tests."""
+        `resync_every` N > 0, every step whose number + 1 is a multiple of N broadcasts there.
+        `endpoint` and `listener`, if given, are this rank's already bound sockets (then they
+        are at `addresses[rank]` and `stream_addresses[rank]`) and are closed with this object.
+        `test_loss` is for tests."""
         if not 0 <= rank < world:
             raise ValueError(f"rank: expected 0..{world - 1}, got {rank}")
         stream_addresses = addresses if stream_addresses is None else stream_addresses
