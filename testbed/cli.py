@@ -674,6 +674,10 @@ def _run_here(path, steps: int | None, out: str | None) -> None:
         for column in ("worker", "status", "step", "loss", "step time (s)", "coverage",
                        "datagrams lost", "drift"):
             view.add_column(column)
+        if cluster.metrics_urls and not os.environ.get("TESTBED_IN_GUEST"):
+            first, last = cluster.metrics_urls[0], cluster.metrics_urls[-1]
+            view.caption = (f"/metrics of worker 0: {first}" if first == last else
+                            f"/metrics of workers 0..{len(workers) - 1}: {first} .. {last}")
         for w in workers:
             view.add_row(str(w.rank), w.status + (f" (restarted {w.restarts}x)" if w.restarts
                                                   else ""),

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from testbed.cluster.network import ClusterNetwork
+from testbed.cluster.relay import MetricsRelay
 from testbed.cluster.timeline import Timeline
 from testbed.cluster.worker import WorkerSpec, control_path
 from testbed.report import RunWriter
@@ -38,6 +39,7 @@ from testbed.scenario.model import Event
 
 STOP_GRACE = 10.0  # seconds a worker gets to end after SIGTERM before SIGKILL
 POLL = 0.2  # seconds between looks at the workers when none of them says anything
+PROMETHEUS_TARGETS = "prometheus-targets.json"  # file_sd of the workers' relayed endpoints
 
 
 @dataclass
@@ -55,6 +57,7 @@ class WorkerState:
     exit_code: int | None = None
     evaluation: dict[str, float] = field(default_factory=dict)
     restarts: int = 0
+    finished: bool = False  # said it is done (it may still be serving /metrics: linger)
 
 
 @dataclass
@@ -90,8 +93,10 @@ class ClusterRun:
         self.workers = [WorkerState(rank) for rank in range(self.scenario.count)]
         self._processes: dict[int, subprocess.Popen[str]] = {}
         self._killed: set[int] = set()
+        self._released: set[int] = set()  # pids of lingering workers told to end
         self._reports: queue.Queue[tuple[int, dict[str, Any]]] = queue.Queue()
         self._lock = threading.Lock()
+        self.metrics_urls: list[str] = []  # each worker's /metrics, as seen from the host
 
     def run(self, on_update: Callable[[list[WorkerState]], None] = lambda _: None) -> RunResult:
         """Run to the end (or the first Ctrl-C, which ends the run cleanly and is re-raised)."""
@@ -102,10 +107,12 @@ class ClusterRun:
         writer = RunWriter.create(self.run_dir, scenario=text, name=self.scenario.name)
         error: str | None = None
         try:
-            with ClusterNetwork(self.scenario, backend=self.backend) as network:
+            with (ClusterNetwork(self.scenario, backend=self.backend) as network,
+                  contextlib.ExitStack() as stack):
                 writer.event("cluster", prefix=network.prefix, hosts=network.hosts,
                              congestion=network.congestion, backend=self.backend)
                 self._write_specs(network)
+                stack.enter_context(self._relay(network, writer))
                 timeline = Timeline(
                     self.scenario.timeline, network, lambda record: writer.fault(**record),
                     on_kill=self._kill, on_restart=self._restart,
@@ -138,6 +145,21 @@ class ClusterRun:
                                     self.workers, summary, html, error)
         return self.result
 
+    def _relay(self, network: ClusterNetwork,
+               writer: RunWriter) -> contextlib.AbstractContextManager[Any]:
+        """Every worker's /metrics on the host's loopback (`metrics_urls`), and a Prometheus
+        file_sd document of them in the run directory; none when the workers pick their port."""
+        port = self.scenario.metrics.port
+        if not port:
+            return contextlib.nullcontext()
+        relay = MetricsRelay([network.namespace(r) for r in range(self.scenario.count)],
+                             network.hosts, port)
+        self.metrics_urls = relay.urls()
+        targets = relay.targets({"scenario": self.scenario.name, "run": self.run_dir.name})
+        (self.run_dir / PROMETHEUS_TARGETS).write_text(json.dumps(targets, indent=2) + "\n")
+        writer.event("metrics", urls=self.metrics_urls, targets=PROMETHEUS_TARGETS)
+        return relay
+
     # -- workers ---------------------------------------------------------------------------
 
     def _write_specs(self, network: ClusterNetwork) -> None:
@@ -166,6 +188,7 @@ class ClusterRun:
             self._processes[rank] = process
             self._killed.discard(rank)
             self.workers[rank].status = "starting"
+            self.workers[rank].finished = False
         threading.Thread(target=self._read, args=(rank, process), daemon=True,
                          name=f"run-worker-{rank}").start()
 
@@ -234,8 +257,19 @@ class ClusterRun:
                     fired += 1
                     timeline.on_step(fired)
             on_update(self.workers)
+            if running and all(w.finished for w in running) and not self._restart_due():
+                self._release(running)  # every one is done: end their linger
             if not running and not self._reports.qsize() and not self._restart_due():
                 return
+
+    def _release(self, workers: list[WorkerState]) -> None:
+        """SIGTERM to finished workers that linger (they exit 0); reaped by `_reap`."""
+        with self._lock:
+            processes = [self._processes[w.rank] for w in workers if w.rank in self._processes]
+        for process in processes:
+            if process.poll() is None and process.pid not in self._released:
+                self._released.add(process.pid)  # once: a second SIGTERM would cut its clean-up
+                _signal_group(process, signal.SIGTERM)
 
     def _restart_due(self) -> bool:
         """A killed worker whose restart is still to come keeps the run going."""
@@ -247,6 +281,7 @@ class ClusterRun:
         state = self.workers[rank]
         if report.get("done"):
             state.evaluation = dict(report.get("evaluation") or {})
+            state.finished = True
             return
         if "step" not in report:
             return

@@ -6,9 +6,10 @@ step event per step to the run directory (`testbed.report`), swaps a parameter s
 compute times with the other workers every `metrics.drift_every` steps (parameter drift and the
 straggler wait), applies the straggler bursts the runner appends to its control file, and
 prints one JSON line per step on stdout for the runner's live display, then a final
-`{"done": true, ...}` line. A worker restarted after a preemption (`start_step` > 0) resumes
-at that step and, with a collective that can (Moshpit), first pulls the current parameters
-from a live peer. Exit 0 on success, 1 on a training error (the
+`{"done": true, ...}` line, after which it keeps /metrics up for `metrics.linger` seconds (the
+runner ends that sooner, once every worker is done). A worker restarted after a preemption
+(`start_step` > 0) resumes at that step and, with a collective that can (Moshpit), first
+pulls the current parameters from a live peer. Exit 0 on success, 1 on a training error (the
 traceback on stderr), 143 on SIGTERM; the collective, the metrics server and the event file are
 closed in every case.
 """
@@ -241,6 +242,7 @@ class Worker:
         writer = RunWriter.open(spec.run_dir, rank=spec.rank)
         metrics = WorkerMetrics(spec.rank)
         collective = None
+        evaluation: dict[str, float] | None = None
         started = time.monotonic()
         try:
             metrics.serve(spec.port("metrics") if scenario.metrics.port else 0,
@@ -256,7 +258,12 @@ class Worker:
                                             **placement(kind, spec, scenario))
             exchange = PeerExchange(spec) if scenario.metrics.drift_every else None
             evaluation = self._train(scenario, collective, writer, metrics, exchange)
+            _say(rank=spec.rank, done=True, evaluation=evaluation,
+                 seconds=time.monotonic() - started)
+            time.sleep(scenario.metrics.linger)  # the runner's SIGTERM ends it once all are done
         except SystemExit as stop:
+            if evaluation is not None:  # ended while lingering: the work is done
+                return 0
             writer.end(success=False, error="terminated")
             return int(stop.code or 143)
         except Exception as error:
@@ -268,8 +275,6 @@ class Worker:
                 collective.close()
             metrics.close()
             writer.close()
-        _say(rank=spec.rank, done=True, evaluation=evaluation,
-             seconds=time.monotonic() - started)
         return 0
 
     def _train(self, scenario: Any, collective: Any, writer: Any, metrics: Any,

@@ -292,12 +292,16 @@ class Metrics(_Model):
     """What the workers export besides their per-step events: `/metrics` on `port` in each
     worker's namespace (0: any free port), parameter drift every `drift_every` steps (0: never)
     from a `drift_k`-dimensional random projection, and a probe of every link before training
-    (`probe_links`: configured against measured, as `testbed probe` does)."""
+    (`probe_links`: configured against measured, as `testbed probe` does). `linger`: seconds
+    a finished worker keeps its endpoint up (until the whole run is done)."""
 
     port: int = Field(default=9100, ge=0, le=65535)
     drift_every: int = Field(default=10, ge=0)
     drift_k: int = Field(default=DEFAULT_K, ge=1)
     probe_links: bool = False
+    linger: Seconds = Field(default=0.0, ge=0, description=(
+        "Seconds a worker keeps serving /metrics after its last step, so a scraper sees the "
+        "final values; the run ends them as soon as every worker is done."))
 
 
 # --- timeline -----------------------------------------------------------------------------------

@@ -1,14 +1,18 @@
 """A worker's spec: it round-trips through JSON, bad fields are named, and every collective gets
-the placement options its constructor takes."""
+the placement options its constructor takes. The straggler bursts a worker reads from its
+control file: each lasts its steps or its time, and a restarted worker does not replay them."""
 
 from __future__ import annotations
 
 import inspect
+import json
+import time
+from pathlib import Path
 
 import pytest
 
 from testbed import collectives
-from testbed.cluster.worker import PORTS, SpecError, WorkerSpec, placement
+from testbed.cluster.worker import PORTS, BurstControl, SpecError, WorkerSpec, placement
 from testbed.scenario import load_scenario
 
 HOSTS = ["198.18.0.1", "198.18.0.2", "198.18.0.3"]
@@ -36,6 +40,8 @@ def test_round_trips_through_json():
      "prots: not a field"),
     ('{"scenario": "s", "rank": 0, "world": 1, "hosts": ["a"], "run_dir": "r", '
      '"ports": {"gossip": 1}}', "ports: unknown gossip"),
+    ('{"scenario": "s", "rank": 0, "world": 1, "hosts": ["a"], "run_dir": "r", '
+     '"start_step": -1}', "start_step: expected at least 0"),
     ("[1, 2]", "expected a JSON object"),
     ("{", "not JSON"),
 ])
@@ -56,3 +62,26 @@ def test_placement_gives_each_collective_options_it_takes(kind):
         assert options["addresses"][2] == (HOSTS[2], PORTS["collective"])
     if kind == "lossy":
         assert options["mtu"] == 9000 and options["congestion"] == "bbr"
+
+
+def test_bursts_from_the_control_file_last_their_steps_or_their_time(tmp_path: Path):
+    control = tmp_path / "control-0.jsonl"
+    bursts = BurstControl(control, seed=1, rank=0)
+    assert bursts.delay() == 0.0  # no file yet
+    with control.open("a") as file:
+        file.write(json.dumps({"delay": {"fixed": 0.2}, "steps": 2, "until": None}) + "\n")
+        file.write(json.dumps({"delay": {"fixed": 0.05}, "steps": None,
+                               "until": time.time() + 3600}) + "\n")
+        file.write('{"delay": {"fixed": 9')  # a line still being written is not read yet
+    assert [bursts.delay() for _ in range(3)] == pytest.approx([0.25, 0.25, 0.05])
+    with control.open("a") as file:
+        file.write('}, "steps": 1, "until": null}\n')
+    assert bursts.delay() == pytest.approx(9.05)
+    assert bursts.delay() == pytest.approx(0.05)
+
+    restarted = BurstControl(control, seed=1, rank=0)
+    assert restarted.delay() == 0.0, "a restarted worker replayed old bursts"
+    with control.open("a") as file:
+        file.write(json.dumps({"delay": {"fixed": 0.1}, "steps": None,
+                               "until": time.time() - 1}) + "\n")
+    assert restarted.delay() == 0.0, "a burst whose time is over still applied"

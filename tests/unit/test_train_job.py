@@ -324,3 +324,34 @@ def test_injected_delay_really_sleeps_on_the_system_clock():
     for record in result.records:
         assert record.injected_delay_seconds == pytest.approx(0.002)
         assert record.compute_seconds >= 0.002
+
+
+class TickingClock(FakeClock):
+    """Every look at the clock finds it 10 ms later: compute that takes time of its own."""
+
+    def now(self) -> float:
+        self.time += 0.01
+        return self.time
+
+
+def test_a_slow_machine_stretches_compute_and_a_burst_adds_its_delay():
+    config = TrainConfig.parse(TINY_LM, steps=1, batch=8, micro_batches=2)
+
+    def compute(slowdown: float, burst: float) -> StepRecord:
+        def work(rank: int, link: Collective) -> StepRecord:
+            return Job(config, link, rank, 1, clock=TickingClock(), slowdown=slowdown).step(
+                0, extra_delay=burst)
+        return run_workers(1, work)[0]
+
+    plain, slow, burst = compute(1.0, 0.0), compute(3.0, 0.0), compute(1.0, 0.5)
+    # Each of the two micro-batches takes one 10 ms tick; three times as slow adds two more each.
+    assert slow.compute_seconds - plain.compute_seconds == pytest.approx(2 * 2 * 0.01)
+    assert slow.injected_delay_seconds == 0.0
+    assert burst.compute_seconds - plain.compute_seconds == pytest.approx(0.5)
+    assert burst.injected_delay_seconds == pytest.approx(0.5)
+
+
+def test_slowdown_below_one_is_refused():
+    with pytest.raises(ValueError, match="slowdown: expected at least 1"):
+        run_workers(1, lambda rank, link: Job(TrainConfig.parse(TINY_LM), link, rank, 1,
+                                              slowdown=0.5))

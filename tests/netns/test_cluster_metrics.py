@@ -1,0 +1,147 @@
+"""A run of the training job across namespaces with each collective, scraped as Prometheus would:
+through the run's relay on the host's loopback, while the workers are live (at a step before a
+timeline change, and once every worker is done and lingers). The values checked could be wrong:
+gloo's drift is exactly zero; lossy's is zero until a link starts losing and then positive, and
+the loss shows on that link's counters only, from the step of the change on; the ring's TCP
+retransmits rise on lossy links; the straggler wait reflects a worker's injected delay.
+
+Loss comes from the fallback (nftables), so this runs on the host kernel."""
+
+from __future__ import annotations
+
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from testbed.cluster.runner import ClusterRun, WorkerState
+from testbed.report import load_run
+
+pytestmark = pytest.mark.netns
+WORLD = 4
+SCRAPE_TIMEOUT = 10.0
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def scrape(url: str) -> Samples:
+    with urllib.request.urlopen(url, timeout=SCRAPE_TIMEOUT) as response:
+        text = response.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def value(samples: Samples, name: str, **labels: str) -> float:
+    key = (name, tuple(sorted(labels.items())))
+    assert key in samples, f"{name}{labels} was not exported"
+    return samples[key]
+
+
+def count(samples: Samples, name: str, **labels: str) -> float:
+    """A labelled counter: a series that was never incremented is not exported (0)."""
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+class Scraper:
+    """Scrapes every worker once the slowest reached `at_step` (if given) and once all are
+    done; the run calls it with the workers' state after every report."""
+
+    def __init__(self, cluster: ClusterRun, at_step: int | None = None) -> None:
+        self.cluster, self.at_step = cluster, at_step
+        self.early: list[Samples] = []
+        self.early_steps: list[int] = []
+        self.final: list[Samples] = []
+
+    def __call__(self, workers: list[WorkerState]) -> None:
+        if (self.at_step is not None and not self.early
+                and min(w.step for w in workers) >= self.at_step):
+            self.early_steps = [w.step for w in workers]
+            self.early = [scrape(url) for url in self.cluster.metrics_urls]
+        if not self.final and all(w.finished for w in workers):
+            self.final = [scrape(url) for url in self.cluster.metrics_urls]
+
+
+def run(tmp_path: Path, text: str, at_step: int | None = None) -> tuple[ClusterRun, Scraper]:
+    path = tmp_path / "scenario.yaml"
+    path.write_text(text)
+    cluster = ClusterRun(path, run_dir=tmp_path / "run")
+    scraper = Scraper(cluster, at_step)
+    result = cluster.run(scraper)
+    assert result.success, result.error
+    assert len(cluster.metrics_urls) == WORLD
+    assert scraper.final, "the workers were never all done while serving"
+    return cluster, scraper
+
+
+def scenario(collective: str, *, loss: str = "0%", steps: int = 40, extra: str = "") -> str:
+    return f"""
+name: metrics-{collective.split(",")[0]}
+seed: 11
+workers: {WORLD}
+topology: {{default: {{loss: {loss}}}, congestion: cubic}}
+job: {{model: mlp, steps: {steps}, batch: 32, strategy: STRATEGY}}
+collective: {{kind: {collective}}}
+metrics: {{drift_every: 5, linger: 60s}}
+{extra}
+"""
+
+
+def every_rank(check: Callable[[int], None]) -> None:
+    for rank in range(WORLD):
+        check(rank)
+
+
+def test_gloo_keeps_every_worker_exactly_on_the_mean(tmp_path: Path):
+    _, scraper = run(tmp_path, scenario("gloo", loss="2%").replace("STRATEGY", "gradient"))
+    for rank, samples in enumerate(scraper.final):
+        r = str(rank)
+        assert value(samples, "testbed_parameter_drift_ratio", rank=r, reference="mean") == 0.0
+        assert value(samples, "testbed_parameter_drift_measurements_total", rank=r,
+                     reference="mean") == 40 / 5
+        assert value(samples, "testbed_steps_total", rank=r) == 40
+
+
+CHANGE_AT, STEPS = 30, 60
+
+
+def test_lossy_drift_and_lost_datagrams_follow_a_link_that_starts_losing(tmp_path: Path):
+    timeline = f"""timeline:
+  - step: {CHANGE_AT}
+    set_link: {{link: {{from: 0, to: 1}}, profile: {{loss: 30%}}}}"""
+    text = scenario("lossy, deadline_initial: 0.3", steps=STEPS, extra=timeline)
+    cluster, scraper = run(tmp_path, text.replace("STRATEGY", "sharded"), at_step=10)
+
+    assert max(scraper.early_steps) < CHANGE_AT, (
+        f"the early scrape came too late (steps {scraper.early_steps})")
+    for rank, samples in enumerate(scraper.early):  # a clean network: every copy is exact
+        r = str(rank)
+        assert value(samples, "testbed_parameter_drift_ratio", rank=r, reference="mean") == 0.0
+        for peer in range(WORLD):
+            if peer != rank:
+                assert count(samples, "testbed_datagrams_lost_total", rank=r,
+                             peer=str(peer)) == 0
+
+    final = scraper.final
+    assert value(final[1], "testbed_datagrams_lost_total", rank="1", peer="0") > 0
+    for rank, peer in [(1, 2), (1, 3), (2, 0), (3, 0), (0, 1)]:  # the other links: nothing
+        assert count(final[rank], "testbed_datagrams_lost_total", rank=str(rank),
+                     peer=str(peer)) == 0, f"loss on link {peer}->{rank}, which was not changed"
+    assert value(final[1], "testbed_link_loss_ratio", rank="1", peer="0", direction="in") == 0.0
+    # Worker 1 missed some of owner 0's broadcasts: its copy drifted from the others' mean.
+    drifts = [value(s, "testbed_parameter_drift_ratio", rank=str(r), reference="mean")
+              for r, s in enumerate(final)]
+    assert max(drifts) > 0, f"no drift after 30 steps at 30% loss: {drifts}"
+
+    # The step events say when: worker 1 missed nothing before the change, and from it on
+    # missed chunks (each step sends it at least two datagrams from 0, so at 30% loss over
+    # half of the steps miss one).
+    run_record = load_run(cluster.run_dir)
+    (fault,) = run_record.faults
+    assert fault.action == "set_link" and fault.fields["step"] == CHANGE_AT
+    missing = {step.step: step.extra.get("chunks_missing", 0.0)
+               for step in run_record.steps if step.rank == 1}
+    before = [missing[s] for s in range(CHANGE_AT - 2)]
+    after = [missing[s] > 0 for s in range(CHANGE_AT + 2, STEPS)]
+    assert not any(before), f"chunks missed before the change: {before}"
+    assert sum(after) >= 0.25 * len(after), f"too few steps missed a chunk after it: {after}"
