@@ -29,10 +29,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from netem.probe import inside
 from testbed.cluster.network import ClusterNetwork
 from testbed.cluster.relay import MetricsRelay
 from testbed.cluster.timeline import Timeline
-from testbed.cluster.worker import WorkerSpec, control_path
+from testbed.cluster.worker import PORTS, WorkerSpec, control_path, serve_run_store
 from testbed.report import RunWriter
 from testbed.scenario import Scenario, load_scenario
 from testbed.scenario.model import Event
@@ -57,7 +58,9 @@ class WorkerState:
     exit_code: int | None = None
     evaluation: dict[str, float] = field(default_factory=dict)
     restarts: int = 0
-    finished: bool = False  # said it is done (it may still be serving /metrics: linger)
+    ready: bool = False  # set up and past the start barrier: training began
+    finished: bool = False  # said it is done
+    lingering: bool = False  # done, and serving /metrics until told to end (metrics.linger)
 
 
 @dataclass
@@ -113,6 +116,9 @@ class ClusterRun:
                              congestion=network.congestion, backend=self.backend)
                 self._write_specs(network)
                 stack.enter_context(self._relay(network, writer))
+                with inside(network.namespace(0)):  # reachable at worker 0's address
+                    store = [serve_run_store(network.hosts[0], PORTS["drift"])]
+                stack.callback(store.clear)  # served until the workers are gone
                 timeline = Timeline(
                     self.scenario.timeline, network, lambda record: writer.fault(**record),
                     on_kill=self._kill, on_restart=self._restart,
@@ -120,9 +126,8 @@ class ClusterRun:
                 )
                 for rank in range(self.scenario.count):
                     self._start(rank)
-                timeline.start(offset=writer.now())
                 try:
-                    self._follow(timeline, on_update)
+                    self._follow(timeline, writer, on_update)
                 finally:
                     timeline.stop()
                     self._stop_all()
@@ -188,7 +193,7 @@ class ClusterRun:
             self._processes[rank] = process
             self._killed.discard(rank)
             self.workers[rank].status = "starting"
-            self.workers[rank].finished = False
+            self.workers[rank].finished = self.workers[rank].lingering = False
         threading.Thread(target=self._read, args=(rank, process), daemon=True,
                          name=f"run-worker-{rank}").start()
 
@@ -213,15 +218,10 @@ class ClusterRun:
             self.workers[rank].status = "killed"
 
     def _restart(self, ranks: list[int]) -> None:
-        """A preempted worker comes back at the step after the most advanced live one's."""
-        with self._lock:
-            live = [w.step for w in self.workers
-                    if w.rank not in self._killed and w.status in ("starting", "running")]
-        start_step = max(live, default=-1) + 1
+        """A preempted worker comes back and rejoins where the live ones are by then."""
         for rank in ranks:
             spec = WorkerSpec.from_json(self._spec_path(rank).read_text())
-            spec = dataclasses.replace(spec, start_step=start_step)
-            self._spec_path(rank).write_text(spec.to_json())
+            self._spec_path(rank).write_text(dataclasses.replace(spec, rejoin=True).to_json())
             self.workers[rank].restarts += 1
             self._start(rank)
 
@@ -238,10 +238,13 @@ class ClusterRun:
             with control_path(self.run_dir, rank).open("a") as control:
                 control.write(line)
 
-    def _follow(self, timeline: Timeline, on_update: Callable[[list[WorkerState]], None]) -> None:
-        """Until every worker ended: apply their reports, fire step events at the slowest
-        worker's next step, and show the state."""
+    def _follow(self, timeline: Timeline, writer: RunWriter,
+                on_update: Callable[[list[WorkerState]], None]) -> None:
+        """Until every worker ended: apply their reports, start the timeline once the workers
+        are ready to train (time zero of its `at`s), fire step events at the slowest worker's
+        next step, and show the state."""
         fired = -1
+        started = False
         while True:
             with contextlib.suppress(queue.Empty):
                 rank, report = self._reports.get(timeout=POLL)
@@ -251,13 +254,17 @@ class ClusterRun:
                     self._apply(rank, report)
             self._reap()
             running = [w for w in self.workers if w.status in ("starting", "running")]
-            if running:
+            if not started and any(w.ready for w in self.workers):
+                timeline.start(offset=writer.now())
+                writer.event("training", workers=[w.rank for w in self.workers if w.ready])
+                started = True
+            if running and started:
                 slowest = min(w.step for w in running) + 1
                 while fired < slowest:
                     fired += 1
                     timeline.on_step(fired)
             on_update(self.workers)
-            if running and all(w.finished for w in running) and not self._restart_due():
+            if running and all(w.lingering for w in running) and not self._restart_due():
                 self._release(running)  # every one is done: end their linger
             if not running and not self._reports.qsize() and not self._restart_due():
                 return
@@ -279,9 +286,15 @@ class ClusterRun:
 
     def _apply(self, rank: int, report: dict[str, Any]) -> None:
         state = self.workers[rank]
+        if report.get("ready"):
+            state.ready = True
+            return
         if report.get("done"):
             state.evaluation = dict(report.get("evaluation") or {})
             state.finished = True
+            return
+        if report.get("lingering"):
+            state.lingering = True
             return
         if "step" not in report:
             return

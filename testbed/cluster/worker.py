@@ -8,10 +8,11 @@ straggler wait), applies the straggler bursts the runner appends to its control 
 prints one JSON line per step on stdout for the runner's live display, then a final
 `{"done": true, ...}` line, after which it keeps /metrics up for `metrics.linger` seconds (the
 runner ends that sooner, once every worker is done). A worker restarted after a preemption
-(`start_step` > 0) resumes at that step and, with a collective that can (Moshpit), first
-pulls the current parameters from a live peer. Exit 0 on success, 1 on a training error (the
-traceback on stderr), 143 on SIGTERM; the collective, the metrics server and the event file are
-closed in every case.
+(`rejoin`) resumes after the step the most advanced live worker finished and, with a
+collective that can (Moshpit), first pulls the current parameters from a live peer; the others
+start step 0 together, after a barrier. Exit 0 on success, 1 on a training error (the traceback
+on stderr), 143 on SIGTERM; the collective, the metrics server and the event file are closed in
+every case.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from typing import Any
 
 PORTS = {"collective": 29500, "stream": 29501, "store": 29502, "drift": 29503, "metrics": 9100}
 EXCHANGE_WAIT = 5.0  # seconds to wait for the other workers' figures before skipping them
+START_WAIT = 300.0  # seconds the workers wait for each other to be ready for step 0
 
 
 class SpecError(ValueError):
@@ -43,8 +45,8 @@ class WorkerSpec:
     """What one worker needs to know: the scenario (a path; `steps` overrides its job's), its
     rank in `world`, every worker's address (`hosts`, by rank), the base `ports`, the run
     directory and the run's id. With `port_stride`, rank r listens on base + r * stride, so
-    several workers can share one address (a single-host run on loopback). `start_step`: the
-    first step to run (a restarted worker rejoins the run where the others are)."""
+    several workers can share one address (a single-host run on loopback). `rejoin`: a
+    worker restarted after a preemption, which joins the run where the others are."""
 
     scenario: str
     rank: int
@@ -56,7 +58,7 @@ class WorkerSpec:
     ports: dict[str, int] = field(default_factory=lambda: dict(PORTS))
     port_stride: int = 0
     metrics_address: str = "0.0.0.0"
-    start_step: int = 0
+    rejoin: bool = False
 
     def __post_init__(self) -> None:
         if self.world < 1:
@@ -71,8 +73,6 @@ class WorkerSpec:
             raise SpecError(f"ports: unknown {', '.join(unknown)}; allowed: {', '.join(PORTS)}")
         if self.steps is not None and self.steps < 1:
             raise SpecError(f"steps: expected at least 1 or null, got {self.steps}")
-        if self.start_step < 0:
-            raise SpecError(f"start_step: expected at least 0, got {self.start_step}")
 
     def port(self, name: str, rank: int | None = None) -> int:
         """Port `name` of `rank` (default: this worker)."""
@@ -136,17 +136,49 @@ def interface_of(address: str) -> str | None:
     return None
 
 
+def serve_run_store(host: str, port: int) -> Any:
+    """The run's store (a torch TCPStore), served by the calling thread's network namespace
+    for as long as the returned object lives. The runner serves it from worker 0's namespace,
+    so it outlives any worker: one that ends or is killed first takes nothing with it."""
+    from torch.distributed import TCPStore
+
+    return TCPStore(host, port, is_master=True, wait_for_workers=False,
+                    timeout=datetime.timedelta(seconds=60))
+
+
 class PeerExchange:
-    """Every worker's figures of a step, swapped reliably through a TCP store that rank 0
-    serves (apart from the collective, so a lossy one still gets exact figures)."""
+    """The workers' meeting point, the run's store (apart from the collective, so a lossy one
+    still gets exact figures): the start barrier, progress for a rejoining worker, and every
+    worker's figures of a step. The runner serves the store (`serve_run_store`)."""
 
     def __init__(self, spec: WorkerSpec) -> None:
         from torch.distributed import TCPStore
 
         self.spec = spec
-        self.store = TCPStore(spec.hosts[0], spec.port("drift", 0), spec.world,
-                              is_master=spec.rank == 0,
-                              timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
+        self.store = TCPStore(spec.hosts[0], spec.port("drift", 0), is_master=False,
+                              timeout=datetime.timedelta(seconds=60))
+
+    def barrier(self, name: str, timeout: float) -> None:
+        """Return once every worker reached barrier `name`; raise naming the workers that did
+        not within `timeout` seconds."""
+        self.store.set(f"{name}/{self.spec.rank}", b"1")
+        keys = [f"{name}/{rank}" for rank in range(self.spec.world)]
+        try:
+            self.store.wait(keys, datetime.timedelta(seconds=timeout))
+        except RuntimeError:
+            absent = [rank for rank, key in enumerate(keys) if not self.store.check([key])]
+            raise RuntimeError(f"workers {absent} did not reach {name!r} within {timeout:g} s "
+                               f"(see their logs)") from None
+
+    def report_progress(self, step: int) -> None:
+        """This worker finished `step` (what a rejoining worker reads)."""
+        self.store.set(f"progress/{self.spec.rank}", str(step))
+
+    def progress(self) -> int:
+        """The last step the most advanced other worker finished (-1: none yet)."""
+        keys = [f"progress/{rank}" for rank in range(self.spec.world) if rank != self.spec.rank]
+        return max((int(self.store.get(key)) for key in keys if self.store.check([key])),
+                   default=-1)
 
     def rows(self, step: int, values: Any) -> dict[int, Any] | None:
         """Every worker's `values` (a float64 tensor) of `step`, or None if one did not come
@@ -256,11 +288,12 @@ class Worker:
             collective = collectives.create(kind, spec.rank, spec.world,
                                             **scenario.collective.options(),
                                             **placement(kind, spec, scenario))
-            exchange = PeerExchange(spec) if scenario.metrics.drift_every else None
-            evaluation = self._train(scenario, collective, writer, metrics, exchange)
+            evaluation = self._train(scenario, collective, writer, metrics, PeerExchange(spec))
             _say(rank=spec.rank, done=True, evaluation=evaluation,
                  seconds=time.monotonic() - started)
-            time.sleep(scenario.metrics.linger)  # the runner's SIGTERM ends it once all are done
+            if scenario.metrics.linger:  # the runner's SIGTERM ends it once all are done
+                _say(rank=spec.rank, lingering=True)
+                time.sleep(scenario.metrics.linger)
         except SystemExit as stop:
             if evaluation is not None:  # ended while lingering: the work is done
                 return 0
@@ -271,6 +304,7 @@ class Worker:
             writer.end(success=False, error=f"{type(error).__name__}: {error}")
             return 1
         finally:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the clean-up runs to its end
             if collective is not None:
                 collective.close()
             metrics.close()
@@ -278,7 +312,7 @@ class Worker:
         return 0
 
     def _train(self, scenario: Any, collective: Any, writer: Any, metrics: Any,
-               exchange: PeerExchange | None) -> dict[str, float]:
+               exchange: PeerExchange) -> dict[str, float]:
         from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
         from testbed.train import Job
@@ -286,20 +320,27 @@ class Worker:
         spec, config = self.spec, scenario.train_config(self.spec.rank)
         job = Job(config, collective, spec.rank, spec.world,
                   slowdown=scenario.slowdown(spec.rank))
-        if spec.start_step and hasattr(collective, "pull_state"):
-            state = collective.pull_state()
+        if spec.rejoin:  # where the others are, with their parameters if the collective can
+            start = exchange.progress() + 1
+            state = collective.pull_state() if hasattr(collective, "pull_state") else None
             if state is not None:
                 vector_to_parameters(state.to(torch_dtype(job)), job.parameters)
+            writer.event("rejoin", rank=spec.rank, step=start, pulled=state is not None)
+        else:  # every worker starts step 0 together, whatever its set-up took
+            start = 0
+            exchange.barrier("start", START_WAIT)
+            _say(rank=spec.rank, ready=True)
         bursts = BurstControl(control_path(spec.run_dir, spec.rank), config.seed, spec.rank)
         every = scenario.metrics.drift_every
         computes: dict[int, float] = {}
-        for step in range(spec.start_step, config.steps):
+        for step in range(start, config.steps):
             record = job.step(step, extra_delay=bursts.delay())
+            exchange.report_progress(step)
             computes[step] = record.compute_seconds
             if config.eval_every and (step + 1) % config.eval_every == 0:
                 record.evaluation = job.evaluate()
             measured = None
-            if exchange is not None and (step + 1) % every == 0:
+            if every and (step + 1) % every == 0:
                 vector = parameters_to_vector(job.parameters).detach()
                 measured = self._exchange(exchange, metrics, scenario, step, vector, computes)
                 computes.clear()

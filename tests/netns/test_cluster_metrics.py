@@ -58,7 +58,7 @@ class Scraper:
                 and min(w.step for w in workers) >= self.at_step):
             self.early_steps = [w.step for w in workers]
             self.early = [scrape(url) for url in self.cluster.metrics_urls]
-        if not self.final and all(w.finished for w in workers):
+        if not self.final and all(w.lingering for w in workers):
             self.final = [scrape(url) for url in self.cluster.metrics_urls]
 
 
@@ -145,3 +145,47 @@ def test_lossy_drift_and_lost_datagrams_follow_a_link_that_starts_losing(tmp_pat
     after = [missing[s] > 0 for s in range(CHANGE_AT + 2, STEPS)]
     assert not any(before), f"chunks missed before the change: {before}"
     assert sum(after) >= 0.25 * len(after), f"too few steps missed a chunk after it: {after}"
+
+
+def test_ring_retransmits_and_the_straggler_wait_show_in_the_metrics(tmp_path: Path):
+    stragglers = """  overrides:
+    - {worker: 3, straggler: {fixed: 50ms}}"""
+    text = scenario("ring", loss="10%", steps=30).replace("STRATEGY", "gradient")
+    text = text.replace(f"workers: {WORLD}", f"workers:\n  count: {WORLD}\n{stragglers}")
+    _, scraper = run(tmp_path, text)
+    final = scraper.final
+    socket_retransmits = sum(
+        value(s, "testbed_collective_tcp_retransmitted_segments_total", rank=str(r),
+              collective="ring") for r, s in enumerate(final))
+    assert socket_retransmits > 0
+    namespace_retransmits = sum(
+        value(s, "testbed_netns_tcp_retransmitted_segments_total", rank=str(r))
+        for r, s in enumerate(final))
+    assert namespace_retransmits >= socket_retransmits
+    for rank, samples in enumerate(final):
+        r = str(rank)
+        assert value(samples, "testbed_parameter_drift_ratio", rank=r, reference="mean") == 0.0
+        steps = value(samples, "testbed_straggler_wait_seconds_count", rank=r)
+        mean = value(samples, "testbed_straggler_wait_seconds_sum", rank=r) / steps
+        assert steps == 30
+        if rank == 3:  # the straggler itself waits for nobody
+            assert mean < 0.02, f"the straggler waited {mean:.3f} s per step"
+            assert value(samples, "testbed_injected_delay_seconds_total",
+                         rank=r) == pytest.approx(30 * 0.05)
+        else:
+            assert mean > 0.04, f"worker {rank} waited {mean:.3f} s for a 50 ms straggler"
+
+
+def test_moshpit_averages_in_rounds_and_reports_them(tmp_path: Path):
+    text = scenario("moshpit, group_size: 2", steps=20).replace(
+        "STRATEGY", "average, average_every: 2")
+    _, scraper = run(tmp_path, text)
+    for rank, samples in enumerate(scraper.final):
+        r = str(rank)
+        # 10 averagings of d = 2 rounds (a 2x2 grid), none with a member missing.
+        assert value(samples, "testbed_collective_rounds_total", rank=r,
+                     collective="moshpit") == 20
+        assert count(samples, "testbed_collective_incomplete_rounds_total", rank=r,
+                     collective="moshpit") == 0
+        assert value(samples, "testbed_parameter_drift_measurements_total", rank=r,
+                     reference="mean") == 20 / 5
