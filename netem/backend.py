@@ -134,9 +134,9 @@ def apply(
     on the interface (see netem.offload). Raises UnsupportedByKernel before touching anything
     when the backend cannot do what is asked.
     """
-    plan = build_plan(iface, rules, direction=direction, backend=_usable(backend))
+    plan = build_plan(iface, rules, direction=direction, backend=usable(backend))
     clear(iface, netns=netns)
-    return _carry_out(plan, netns, change=False)
+    return carry_out(plan, netns, change=False)
 
 
 def change(
@@ -150,12 +150,12 @@ def change(
     """Like `apply`, but when the interface already carries the same tree (direction, backend,
     sources) only the profiles are replaced, in place: no moment without shaping, no queue
     flushed. Anything else is rebuilt by `apply`."""
-    plan = build_plan(iface, rules, direction=direction, backend=_usable(backend))
+    plan = build_plan(iface, rules, direction=direction, backend=usable(backend))
     with _netlink(netns) as ipr:
         installed = _installed(ipr, iface, netns)
     if installed is None or installed.layout != plan.layout:
         return apply(iface, rules, netns=netns, direction=direction, backend=plan.backend)
-    return _carry_out(plan, netns, change=True)
+    return carry_out(plan, netns, change=True)
 
 
 def show(iface: str, *, netns: str | None = None) -> dict[str | None, LinkProfile]:
@@ -186,7 +186,9 @@ def clear(iface: str, *, netns: str | None = None) -> None:
         netlink.forget_annotations(_annotation_key(netns, device))
 
 
-def _usable(backend: Literal["auto", "netem", "fallback"]) -> Backend:
+def usable(backend: Literal["auto", "netem", "fallback"]) -> Backend:
+    """The backend `backend` resolves to, or the clear error when netem is asked of a kernel
+    without sch_netem."""
     resolved = resolve_backend(backend)
     if backend == "netem" and not netem_available():
         raise UnsupportedByKernel(
@@ -201,7 +203,7 @@ def _usable(backend: Literal["auto", "netem", "fallback"]) -> Backend:
 # Carrying out a plan
 
 
-def _carry_out(plan: Plan, netns: str | None, *, change: bool) -> AppliedShaping:
+def carry_out(plan: Plan, netns: str | None, *, change: bool) -> AppliedShaping:
     """Run the plan's steps (on change: only those that carry profiles). On any failure,
     Ctrl-C included, the interface is cleared before the error goes on."""
     try:
@@ -268,7 +270,7 @@ class _Run:
                 ipr.tc("add-filter", "u32", index=_index(ipr, device), parent=INGRESS, prio=1,
                        protocol=ETH_P_ALL, target=ROOT, keys=["0x0/0x0+0"], action=[mirred])
             case NftLoss():
-                _nft_script(step.statements(), self.netns)
+                nft_script(step.statements(), self.netns)
             case _:  # pragma: no cover - every step type of netem.plan is handled above
                 raise TypeError(f"no way to carry out {step!r}")
 
@@ -381,7 +383,8 @@ def _nft(netns: str | None, *args: str, script: str | None = None) -> str:
     return result.stdout
 
 
-def _nft_script(statements: list[str], netns: str | None) -> None:
+def nft_script(statements: list[str], netns: str | None) -> None:
+    """Run nft `statements` as one transaction (`nft -f -`): all or nothing."""
     _nft(netns, "-f", "-", script="\n".join(statements) + "\n")
 
 
@@ -411,7 +414,7 @@ def _drop_nft(iface: str, netns: str | None) -> None:
         else:
             statements.append(f"delete chain {family} {NFT_TABLE} {chain}")
     if statements:
-        _nft_script(statements, netns)
+        nft_script(statements, netns)
 
 
 def _nft_losses(direction: Direction, iface: str, netns: str | None) -> dict[str | None, float]:

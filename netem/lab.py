@@ -17,6 +17,7 @@ import os
 import secrets
 import subprocess
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from netem.offload import set_offloads
 
 NAME_PREFIX = "tb"
 DEFAULT_SUBNET = "198.18.0.0/24"  # RFC 2544 benchmarking range: never routed anywhere
+PARALLEL_HOSTS = 8  # threads adding hosts
 OWNERS = Path("/run/netem-testbed/labs")  # one file per live lab: "<pid> <process start time>"
 
 
@@ -81,8 +83,18 @@ class Lab:
             (bridge,) = switch.link_lookup(ifname="br0")
             switch.link("set", index=bridge, state="up", mtu=self.mtu)
             switch.link("set", index=switch.link_lookup(ifname="lo")[0], state="up")
-            for index in range(self.size):
-                self.hosts.append(self._add_host(switch, bridge, network, index))
+
+        # A host is a few short helper processes that mostly wait (32 one at a time took ~5 s),
+        # so threads add them, each with a socket of its own in the switch.
+        def add(indices: range) -> list[Host]:
+            with NetNS(self.switch) as switch:
+                return [self._add_host(switch, bridge, network, index) for index in indices]
+
+        threads = min(PARALLEL_HOSTS, self.size)
+        with ThreadPoolExecutor(threads) as pool:
+            added = pool.map(add, [range(k, self.size, threads) for k in range(threads)])
+            self.hosts.extend(sorted((host for hosts in added for host in hosts),
+                                     key=lambda host: host.index))
 
     def _add_host(self, switch: NetNS, bridge: int, network, index: int) -> Host:
         host = Host(

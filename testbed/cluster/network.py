@@ -14,30 +14,38 @@ source that once had a rule keeps it (the "layout" stays the same), so later cha
 
 A partition is 100% loss on the cut directed links; the profile each cut link would otherwise
 have is remembered apart, so `heal` restores whatever the timeline set meanwhile.
+
+Speed (benchmarks/scale.py): nearly all the time goes to short helper processes (pyroute2 forks
+one for every socket it opens in a namespace; nft runs as `ip netns exec nft`) and to pyroute2's
+netlink encoding, so hosts and receivers are done in parallel threads; and since this class alone
+shapes the switch ports, it works from what it installed: a fresh port is not cleared first, a
+change does not read the tree back (a fork, a dump, two nft runs) and makes only the steps whose
+values differ, and the fallback's loss changes of all receivers go in one nft transaction.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import subprocess
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
 import netem
-from netem.backend import _usable, resolve_backend
+from netem.backend import carry_out, nft_script, resolve_backend, usable
 from netem.lab import Lab
-from netem.plan import UnsupportedByKernel, build_plan
+from netem.plan import NFT_TABLE, NftLoss, Offloads, Plan, UnsupportedByKernel, build_plan
 from netem.profile import LinkProfile
 from testbed.scenario.model import RampLink, Scenario, SetLink, partition_pairs
 
 Pair = tuple[int, int]
 Rules = dict[str | None, LinkProfile]
 CUT = LinkProfile(loss=1.0)  # what a partitioned link carries: nothing
-PARALLEL = 8  # receivers re-shaped at once
+PARALLEL = 8  # receivers shaped at once
 SYSCTL = "/proc/sys/net/ipv4/"
 ALLOWED = SYSCTL + "tcp_allowed_congestion_control"
 AVAILABLE = SYSCTL + "tcp_available_congestion_control"
@@ -73,6 +81,7 @@ class ClusterNetwork:
         self._base: dict[int, LinkProfile] = {}  # each receiver's catch-all profile
         self._sources: dict[int, set[int]] = {}  # each receiver's senders with a rule of their own
         self._lossy: dict[int, bool] = {}  # whether a receiver's shaping has an nft loss chain
+        self._plans: dict[int, Plan] = {}  # what each receiver's port carries, as installed
         self.congestion: dict[int, str] = {}  # worker -> TCP congestion control set in its netns
         self.apply_seconds: list[float] = []  # how long each change took, in order
         self._lock = threading.RLock()
@@ -100,11 +109,10 @@ class ClusterNetwork:
             self.check()
             self.lab.start()
             self._started = True
-            for dst in range(self.count):
-                host = self.lab.hosts[dst]
-                netem.apply(host.switch_port, self._rules(dst), netns=self.lab.switch,
-                            backend=self.backend)
-                self._lossy[dst] = _has_loss(self._rules(dst))
+            receivers = list(range(self.count))
+            self._in_parallel(receivers, {dst: self._rules(dst) for dst in receivers},
+                              self._shape)
+            self._nft_change({dst: self._plans[dst] for dst in receivers}, keep_table=True)
             self._set_congestion_controls()
 
     def check(self) -> None:
@@ -123,7 +131,7 @@ class ClusterNetwork:
             for dst in range(self.count):  # pure: raises before anything is created
                 build_plan(f"p{dst}", self._rules(dst), backend=self.backend)
             if self._requested == "netem":
-                _usable("netem")  # the clear error when the kernel lacks sch_netem
+                usable("netem")  # the clear error when the kernel lacks sch_netem
             self._check_timeline()
 
     def _timeline_pairs(self) -> set[Pair]:
@@ -257,33 +265,96 @@ class ClusterNetwork:
         rules = {dst: self._rules(dst) for dst in receivers}
         # The fallback keeps every receiver's loss in one nft table of the switch, and deletes
         # the table with its last chain. Receivers that may delete it must not overlap those
-        # that add to it: first the others (they add to the table or touch only their own chain
-        # and port) in parallel, then those losing their last loss rule in parallel (each sees
-        # the others' chains until they are gone), then those rebuilt while lossy, one by one.
+        # that add to it: first those whose nft chain alone changes, in one transaction that
+        # knows whether the table stays; then the others (they add to the table or touch only
+        # their own chain and port) in parallel, then those losing their last loss rule in
+        # parallel (each sees the others' chains until they are gone), then those rebuilt while
+        # lossy.
         fallback = self.backend == "fallback"
         rebuilt = {dst for dst in rebuilt if fallback and self._lossy[dst]}
-        losing = {dst for dst in set(receivers) - rebuilt
+        nft_only = {dst: plan for dst in sorted(set(receivers) - rebuilt)
+                    if (plan := self._nft_only(dst, rules[dst])) is not None}
+        losing = {dst for dst in set(receivers) - rebuilt - set(nft_only)
                   if fallback and self._lossy[dst] and not _has_loss(rules[dst])}
-        self._in_parallel(sorted(set(receivers) - rebuilt - losing), rules)
+        lossy_after = any(_has_loss(rules[dst]) for dst in receivers) or any(
+            self._lossy[dst] for dst in range(self.count) if dst not in receivers)
+        self._nft_change(nft_only, keep_table=lossy_after)
+        self._in_parallel(sorted(set(receivers) - rebuilt - losing - set(nft_only)), rules)
         self._in_parallel(sorted(losing), rules)
-        for dst in sorted(rebuilt):
-            self._change(dst, rules[dst])
+        # A rebuild clears the receiver's chain, and the table with it when it is the last one:
+        # all but one in parallel while the last one's chain keeps the table, then that one.
+        *together, last = sorted(rebuilt) or [None]
+        self._in_parallel(together, rules)
+        if last is not None:
+            self._change(last, rules[last])
         elapsed = time.perf_counter() - begun
         if receivers:
             self.apply_seconds.append(elapsed)
         return elapsed
 
-    def _in_parallel(self, receivers: list[int], rules: dict[int, Rules]) -> None:
+    def _in_parallel(self, receivers: list[int], rules: dict[int, Rules],
+                     do: Callable[[int, Rules], None] | None = None) -> None:
+        do = do or self._change
         if len(receivers) == 1:
-            self._change(receivers[0], rules[receivers[0]])
+            do(receivers[0], rules[receivers[0]])
         elif receivers:
             with ThreadPoolExecutor(min(len(receivers), PARALLEL)) as pool:
-                for future in [pool.submit(self._change, dst, rules[dst]) for dst in receivers]:
+                for future in [pool.submit(do, dst, rules[dst]) for dst in receivers]:
                     future.result()
 
-    def _change(self, dst: int, rules: dict[str | None, LinkProfile]) -> None:
-        netem.change(self.lab.hosts[dst].switch_port, rules, netns=self.lab.switch,
-                     backend=self.backend)
+    def _shape(self, dst: int, rules: Rules) -> None:
+        """Shape a receiver's fresh switch port: `netem.apply` less its clear (nothing to clear),
+        its offloads step (the lab turned them off) and its nft step (`_nft_change` does all)."""
+        plan = build_plan(self.switch_port(dst), rules, backend=self.backend)
+        steps = tuple(step for step in plan.steps if not isinstance(step, Offloads | NftLoss))
+        carry_out(dataclasses.replace(plan, steps=steps), self.lab.switch, change=False)
+        self._plans[dst] = plan
+        self._lossy[dst] = _has_loss(rules)
+
+    def _nft_only(self, dst: int, rules: Rules) -> Plan | None:
+        """The receiver's new plan when, in place, at most its nft loss chain differs (the
+        fallback's loss changes, cuts and heals): `_nft_change` does it with the others'."""
+        plan = build_plan(self.switch_port(dst), rules, backend=self.backend)
+        installed = self._plans.get(dst)
+        if installed is None or plan.layout != installed.layout:
+            return None
+        tree = [step for step in plan.steps if not isinstance(step, NftLoss)]
+        return plan if tree == [s for s in installed.steps if not isinstance(s, NftLoss)] else None
+
+    def _nft_change(self, plans: Mapping[int, Plan], *, keep_table: bool) -> None:
+        """Give these receivers their plans' loss chains (or none) in one nft transaction in the
+        switch, where every receiver's chain is: one process, all or nothing. Without
+        `keep_table` (no receiver will have loss) the table goes with the chains removed."""
+        statements, removed = [], []
+        for dst, plan in plans.items():
+            installed = [s for s in self._plans[dst].steps if isinstance(s, NftLoss)]
+            steps = [step for step in plan.steps if isinstance(step, NftLoss)]
+            statements += [line for step in steps for line in step.statements()]
+            if installed and not steps:
+                removed.append(installed[0])
+        if keep_table:
+            statements += [f"delete chain {s.family} {NFT_TABLE} {s.chain}" for s in removed]
+        elif removed:
+            statements += sorted({f"delete table {s.family} {NFT_TABLE}" for s in removed})
+        if statements:
+            nft_script(statements, self.lab.switch)
+        for dst, plan in plans.items():
+            self._plans[dst], self._lossy[dst] = plan, _has_loss(plan.profiles())
+
+    def _change(self, dst: int, rules: Rules) -> None:
+        """`netem.change` from what this class installed rather than a read-back: in place when
+        the layout is the same, changing only the steps that differ (the nft loss step always:
+        an in-place change without one removes the chain); else rebuilt at once."""
+        port, switch = self.switch_port(dst), self.lab.switch
+        plan = build_plan(port, rules, backend=self.backend)
+        installed = self._plans.pop(dst, None)  # unknown until this succeeds (a failure clears)
+        if installed is not None and plan.layout == installed.layout:
+            steps = tuple(step for step in plan.steps
+                          if step not in installed.steps or isinstance(step, NftLoss))
+            carry_out(dataclasses.replace(plan, steps=steps), switch, change=True)
+        else:
+            netem.apply(port, rules, netns=switch, backend=self.backend)
+        self._plans[dst] = plan
         self._lossy[dst] = _has_loss(rules)
 
     def _effective(self, src: int, dst: int) -> LinkProfile:

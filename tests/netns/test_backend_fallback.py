@@ -182,7 +182,7 @@ def test_a_step_that_fails_leaves_the_interface_unshaped(make_lab, monkeypatch):
     def refuse(statements, netns):
         raise ShapingError("nft: refused for the test")
 
-    monkeypatch.setattr(netem.backend, "_nft_script", refuse)
+    monkeypatch.setattr(netem.backend, "nft_script", refuse)
     with pytest.raises(ShapingError, match="refused for the test"):
         apply(port, {lab.hosts[0].address: LinkProfile.parse(loss="10%", rate="5mbit")},
               netns=lab.switch, backend="fallback")
