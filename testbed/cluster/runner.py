@@ -27,13 +27,14 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from netem.probe import inside
 from testbed.cluster.network import ClusterNetwork
 from testbed.cluster.relay import MetricsRelay
 from testbed.cluster.timeline import Timeline
 from testbed.cluster.worker import PORTS, WorkerSpec, control_path, serve_run_store
+from testbed.cluster.zygote import ForkedWorker, Zygote
 from testbed.report import RunWriter
 from testbed.scenario import Scenario, load_scenario
 from testbed.scenario.model import Event
@@ -94,9 +95,11 @@ class ClusterRun:
                         else Path("runs") / f"{safe_name(self.scenario.name)}-{stamp}")
         self.backend = backend
         self.workers = [WorkerState(rank) for rank in range(self.scenario.count)]
-        self._processes: dict[int, subprocess.Popen[str]] = {}
+        self._processes: dict[int, ForkedWorker] = {}
+        self._zygote: Zygote | None = None
         self._killed: set[int] = set()
         self._released: set[int] = set()  # pids of lingering workers told to end
+        self._late: set[int] = set()  # restarted after the others ended: done, nothing to do
         self._reports: queue.Queue[tuple[int, dict[str, Any]]] = queue.Queue()
         self._lock = threading.Lock()
         self.metrics_urls: list[str] = []  # each worker's /metrics, as seen from the host
@@ -116,6 +119,10 @@ class ClusterRun:
                              congestion=network.congestion, backend=self.backend)
                 self._write_specs(network)
                 stack.enter_context(self._relay(network, writer))
+                zygote_log = stack.enter_context(open(self.run_dir / "logs" / "zygote.log", "a"))
+                self._zygote = Zygote(lambda rank, report: self._reports.put((rank, report)),
+                                      stderr=zygote_log)
+                stack.callback(self._zygote.close)
                 with inside(network.namespace(0)):  # reachable at worker 0's address
                     store = [serve_run_store(network.hosts[0], PORTS["drift"])]
                 stack.callback(store.clear)  # served until the workers are gone
@@ -181,30 +188,18 @@ class ClusterRun:
         return self.run_dir / "logs" / f"worker-{rank}.json"
 
     def _start(self, rank: int) -> None:
-        """Start (or restart) worker `rank` from its spec file, in its namespace."""
-        log: IO[str] = open(self.run_dir / "logs" / f"worker-{rank}.log", "a")  # noqa: SIM115
-        process = subprocess.Popen(
-            ["ip", "netns", "exec", self._namespaces[rank], sys.executable, "-m",
-             "testbed.cluster.worker", str(self._spec_path(rank))],
-            stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True,
-        )
-        log.close()  # the child holds its own descriptor
+        """Start (or restart) worker `rank` from its spec file, in its namespace: forked by the
+        zygote, which imported torch once for all of them."""
+        assert self._zygote is not None
+        process = self._zygote.spawn(rank, str(self._spec_path(rank).resolve()),
+                                     self._namespaces[rank],
+                                     str((self.run_dir / "logs" / f"worker-{rank}.log").resolve()))
         with self._lock:
             self._processes[rank] = process
             self._killed.discard(rank)
+            self._late.discard(rank)
             self.workers[rank].status = "starting"
             self.workers[rank].finished = self.workers[rank].lingering = False
-        threading.Thread(target=self._read, args=(rank, process), daemon=True,
-                         name=f"run-worker-{rank}").start()
-
-    def _read(self, rank: int, process: subprocess.Popen[str]) -> None:
-        """Every JSON line the worker prints goes to the queue; anything else is ignored."""
-        assert process.stdout is not None
-        for line in process.stdout:
-            with contextlib.suppress(ValueError):
-                report = json.loads(line)
-                if isinstance(report, dict):
-                    self._reports.put((rank, report))
 
     def _kill(self, ranks: list[int]) -> None:
         """Preemption: the worker is gone at once, without its own clean-up."""
@@ -264,14 +259,22 @@ class ClusterRun:
                     fired += 1
                     timeline.on_step(fired)
             on_update(self.workers)
-            if running and all(w.lingering for w in running) and not self._restart_due():
+            rejoining = [w for w in running if w.restarts and w.status == "starting"]
+            training = [w for w in running if w not in rejoining and not w.lingering]
+            if rejoining and not training:  # the others ended: nothing left to rejoin
+                self._release(rejoining, late=True)
+            if running and all(w.lingering for w in running):
                 self._release(running)  # every one is done: end their linger
             if not running and not self._reports.qsize() and not self._restart_due():
                 return
 
-    def _release(self, workers: list[WorkerState]) -> None:
-        """SIGTERM to finished workers that linger (they exit 0); reaped by `_reap`."""
+    def _release(self, workers: list[WorkerState], *, late: bool = False) -> None:
+        """SIGTERM to finished workers that linger (they exit 0), or (`late`) to restarted
+        ones still setting up when the others have ended (done: the job is over for them);
+        reaped by `_reap`."""
         with self._lock:
+            if late:
+                self._late |= {w.rank for w in workers}
             processes = [self._processes[w.rank] for w in workers if w.rank in self._processes]
         for process in processes:
             if process.poll() is None and process.pid not in self._released:
@@ -279,9 +282,11 @@ class ClusterRun:
                 _signal_group(process, signal.SIGTERM)
 
     def _restart_due(self) -> bool:
-        """A killed worker whose restart is still to come keeps the run going."""
+        """A killed worker whose restart at a time is still to come keeps the run going even
+        with no worker running (a restart at a step needs running workers to come)."""
         planned = Counter(worker for event in self.scenario.timeline
-                          if event.action == "restart" for worker in event.restart or ())
+                          if event.action == "restart" and event.at is not None
+                          for worker in event.restart or ())
         return any(planned[rank] > self.workers[rank].restarts for rank in self._killed)
 
     def _apply(self, rank: int, report: dict[str, Any]) -> None:
@@ -317,6 +322,8 @@ class ClusterRun:
                 state.exit_code = code
                 if rank in self._killed:
                     state.status = "killed"
+                elif rank in self._late:
+                    state.status = "done"
                 else:
                     state.status = "done" if code == 0 else "failed"
 
@@ -337,9 +344,13 @@ class ClusterRun:
         self._reap()
 
 
-def _signal_group(process: subprocess.Popen[str], signum: int) -> None:
+def _signal_group(process: ForkedWorker, signum: int) -> None:
+    """The worker's whole process group (a child that has not made its own yet: itself)."""
     with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signum)
+        try:
+            os.killpg(process.pid, signum)
+        except ProcessLookupError:
+            os.kill(process.pid, signum)
 
 
 def _render(run_dir: Path) -> Path | None:

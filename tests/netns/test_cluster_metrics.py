@@ -133,17 +133,16 @@ def test_lossy_drift_and_lost_datagrams_follow_a_link_that_starts_losing(tmp_pat
               for r, s in enumerate(final)]
     assert max(drifts) > 0, f"no drift after 30 steps at 30% loss: {drifts}"
 
-    # The step events say when: worker 1 missed nothing before the change, and from it on
-    # missed chunks (each step sends it at least two datagrams from 0, so at 30% loss over
-    # half of the steps miss one).
+    # The step events say when: worker 1 lost no datagram before the change (a busy host may
+    # make some late, not lost), and from it on missed chunks in many steps (each step sends
+    # it at least two datagrams from 0, so at 30% loss over half of the steps miss one).
     run_record = load_run(cluster.run_dir)
     (fault,) = run_record.faults
     assert fault.action == "set_link" and fault.fields["step"] == CHANGE_AT
-    missing = {step.step: step.extra.get("chunks_missing", 0.0)
-               for step in run_record.steps if step.rank == 1}
-    before = [missing[s] for s in range(CHANGE_AT - 2)]
-    after = [missing[s] > 0 for s in range(CHANGE_AT + 2, STEPS)]
-    assert not any(before), f"chunks missed before the change: {before}"
+    mine = {step.step: step.extra for step in run_record.steps if step.rank == 1}
+    before = [mine[s].get("datagrams_lost", 0.0) for s in range(CHANGE_AT - 2)]
+    after = [mine[s].get("chunks_missing", 0.0) > 0 for s in range(CHANGE_AT + 2, STEPS)]
+    assert not any(before), f"datagrams lost before the change: {before}"
     assert sum(after) >= 0.25 * len(after), f"too few steps missed a chunk after it: {after}"
 
 

@@ -149,7 +149,7 @@ name: preempt-rejoin
 seed: 5
 workers: 4
 topology: {default: {loss: 1%}}
-job: {model: mlp, steps: 150, batch: 32, strategy: average, average_every: 2,
+job: {model: mlp, steps: 80, batch: 32, strategy: average, average_every: 2,
       straggler: {fixed: 200ms}, optimizer: {sgd: {lr: 0.5}}}
 collective: {kind: moshpit, group_size: 2, timeout: 1.0, heartbeat: 0.2}
 metrics: {drift_every: 0}
@@ -157,7 +157,7 @@ timeline:
   - {step: 10, kill: 3}
   - {step: 20, restart: 3}
 """
-PREEMPTION_STEPS = 150  # 200 ms each: the restarted worker's set-up ends well before the run
+PREEMPTION_STEPS = 80  # 200 ms each: the restarted worker is set up well before the end
 
 
 def test_a_preempted_worker_rejoins_where_the_others_are_with_their_parameters(tmp_path: Path):

@@ -1,0 +1,230 @@
+"""Worker processes forked from one that has imported torch already.
+
+A fresh interpreter spends seconds of CPU importing torch (3.3 s here, 14 s in the UML guest), so
+16 workers started as 16 interpreters need a minute of CPU on 2 cores before the first step. The
+runner instead starts one zygote (`python -m testbed.cluster.zygote`) that imports what a
+worker needs and, for each request on its stdin, forks a child that enters the worker's network
+namespace (setns), starts a session of its own (so its process group can be signalled as one),
+sends its stderr to the worker's log and runs `testbed.cluster.worker.main([SPEC])`. The
+zygote reports on its stdout, one JSON line each, `{"started": rank, "pid": ...}` and
+`{"exited": rank, "code": ...}` (a negative code: killed by that signal); the workers' own
+JSON lines share that stdout (each is one write, and carries its rank). The zygote runs no
+torch operation and starts no thread, so a fork copies a quiet process.
+
+`Zygote` is the runner's end: `spawn(rank, spec, netns, log) -> ForkedWorker`, whose `poll`,
+`wait` and `pid` stand in for a `subprocess.Popen`'s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import importlib
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+CLONE_NEWNET = 0x40000000
+PRELOAD = ("torch", "testbed.cluster.worker", "testbed.collectives", "testbed.metrics",
+           "testbed.report", "testbed.scenario", "testbed.train")
+REAP_EVERY = 0.05  # seconds between the zygote's looks for exited children
+
+
+class ForkedWorker:
+    """A worker forked by the zygote: its pid and, once the zygote saw it end, its exit code."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.pid = 0
+        self.returncode: int | None = None
+        self._started = threading.Event()
+        self._ended = threading.Event()
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if not self._ended.wait(timeout):
+            raise subprocess.TimeoutExpired(f"worker {self.rank}", timeout or 0.0)
+        assert self.returncode is not None
+        return self.returncode
+
+
+class Zygote:
+    """The runner's end of the zygote. `on_line(rank, report)` gets every JSON line a worker
+    prints; started and exited workers update their `ForkedWorker`."""
+
+    def __init__(self, on_line: Callable[[int, dict[str, Any]], None], *,
+                 stderr: Any = None, start_timeout: float = 300.0) -> None:
+        self.on_line = on_line
+        self.start_timeout = start_timeout
+        self._workers: dict[int, ForkedWorker] = {}  # the latest of each rank
+        self._lock = threading.Lock()
+        self._process = subprocess.Popen(
+            [sys.executable, "-m", "testbed.cluster.zygote"], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=stderr, text=True, start_new_session=True)
+        self._reader = threading.Thread(target=self._read, name="zygote-reader", daemon=True)
+        self._reader.start()
+
+    def spawn(self, rank: int, spec: str, netns: str, log: str) -> ForkedWorker:
+        """Fork worker `rank` running `spec` in namespace `netns`, stderr appended to `log`;
+        returns once it is forked (the zygote's imports come first, once)."""
+        worker = ForkedWorker(rank)
+        with self._lock:
+            self._workers[rank] = worker
+        assert self._process.stdin is not None
+        self._process.stdin.write(json.dumps({"rank": rank, "spec": spec, "netns": netns,
+                                              "log": log}) + "\n")
+        self._process.stdin.flush()
+        if not worker._started.wait(self.start_timeout):
+            raise RuntimeError(f"the zygote did not fork worker {rank} within "
+                               f"{self.start_timeout:g} s (exit {self._process.poll()})")
+        if worker.pid < 0:
+            raise RuntimeError(f"the zygote could not fork worker {rank}")
+        return worker
+
+    def close(self) -> None:
+        """End the zygote (its stdin closes; it forks no more). Workers are the caller's."""
+        with contextlib.suppress(OSError):
+            if self._process.stdin is not None:
+                self._process.stdin.close()
+        try:
+            self._process.wait(10)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait()
+        self._reader.join(10)
+
+    def _read(self) -> None:
+        assert self._process.stdout is not None
+        for line in self._process.stdout:
+            try:
+                report = json.loads(line)
+            except ValueError:
+                continue
+            if not isinstance(report, dict):
+                continue
+            if "started" in report or "exited" in report:
+                self._lifecycle(report)
+            elif isinstance(report.get("rank"), int):
+                self.on_line(report["rank"], report)
+        with self._lock:  # the zygote is gone: whoever it did not report on is lost
+            orphans = [w for w in self._workers.values() if w.returncode is None]
+        for worker in orphans:
+            worker.pid = worker.pid or -1
+            worker._started.set()
+
+    def _lifecycle(self, report: dict[str, Any]) -> None:
+        with self._lock:
+            worker = self._workers.get(report.get("started", report.get("exited")))
+        if worker is None:
+            return
+        if "started" in report:
+            worker.pid = int(report["pid"])
+            worker._started.set()
+        elif worker.pid == report.get("pid"):
+            worker.returncode = int(report["code"])
+            worker._ended.set()
+
+
+# -- the zygote process -------------------------------------------------------------------------
+
+
+def _enter(netns: str) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(f"/run/netns/{netns}", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), f"setns into {netns}")
+    finally:
+        os.close(fd)
+
+
+def _child(request: dict[str, Any]) -> int:
+    """In the forked child: become worker `request['rank']`."""
+    from testbed.cluster import worker
+
+    os.setsid()
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(log, 2)
+    os.close(log)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    _enter(request["netns"])
+    return worker.main([request["spec"]])
+
+
+def _say(**fields: Any) -> None:
+    print(json.dumps(fields), flush=True)
+
+
+def main() -> int:
+    for name in PRELOAD:  # the point of the zygote: imported once, shared by every fork
+        importlib.import_module(name)
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the runner's to handle
+    children: dict[int, int] = {}  # pid -> rank
+    pending = b""
+    reading = True
+    while reading or children:
+        if reading and select.select([0], [], [], REAP_EVERY)[0]:
+            data = os.read(0, 1 << 16)
+            reading = bool(data)  # EOF: the runner is done (or gone); reap what is left
+            pending += data
+            *lines, pending = pending.split(b"\n")
+            for line in filter(None, (raw.strip() for raw in lines)):
+                request = json.loads(line)
+                pid = _fork(request)
+                children[pid] = request["rank"]
+                _say(started=request["rank"], pid=pid)
+        elif not reading:
+            select.select([], [], [], REAP_EVERY)
+        _reap(children)
+    return 0
+
+
+def _fork(request: dict[str, Any]) -> int:
+    """Fork the child that becomes the worker; returns its pid (in the zygote)."""
+    sys.stdout.flush()
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 1
+    try:
+        code = _child(request)
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else 1
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _reap(children: dict[int, int]) -> None:
+    """Report every child that ended, with its exit code."""
+    while children:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        rank = children.pop(pid, None)
+        if rank is not None:
+            _say(exited=rank, pid=pid, code=os.waitstatus_to_exitcode(status))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
