@@ -72,6 +72,7 @@ class TrainFigures:
     error: str | None = None
     failed: int = 0  # workers that did not finish
     why: str | None = None  # the last line (and place) of the first failed worker's log
+    pss_mib: list[float] = field(default_factory=list)
 
 
 def scenario(workers: int, *, announced: bool, steps: int = 10,
@@ -124,14 +125,15 @@ def _all_links(workers: int, loss: str) -> dict[tuple[int, int], LinkProfile]:
 
 
 class MemoryWatch:
-    """Peak RSS (VmHWM) of the worker processes of one run, found in /proc by their command
-    line (`testbed.cluster.worker` and a spec file under the run directory): the runner keeps
-    their pids to itself. Also notes when the first and the last of them appeared."""
+    """Peak memory of the worker processes of one run (`ClusterRun.worker_pids`): RSS (VmHWM)
+    and PSS (smaps_rollup: pages shared with the zygote and the other workers count by share).
+    Also notes when the first and the last of them appeared."""
 
-    def __init__(self, run_dir: Path, workers: int) -> None:
-        self.marker = str(run_dir.resolve() / "logs")
+    def __init__(self, run: ClusterRun, workers: int) -> None:
+        self.run = run
         self.workers = workers
         self.peak: dict[int, int] = {}  # pid -> kB
+        self.pss: dict[int, int] = {}  # pid -> kB
         self.first_seen: float | None = None
         self.all_seen: float | None = None
         self._stop = threading.Event()
@@ -147,36 +149,33 @@ class MemoryWatch:
 
     def _watch(self) -> None:
         while not self._stop.wait(SAMPLE):
-            for pid in self._workers():
-                peak = _vm_hwm(pid)
+            for pid in self.run.worker_pids().values():
+                peak, pss = _status(pid, "VmHWM:"), _pss(pid)
                 if peak is not None:
                     self.peak[pid] = max(peak, self.peak.get(pid, 0))
+                if pss is not None:
+                    self.pss[pid] = max(pss, self.pss.get(pid, 0))
             now = time.monotonic()
             if self.peak and self.first_seen is None:
                 self.first_seen = now
             if len(self.peak) >= self.workers and self.all_seen is None:
                 self.all_seen = now
 
-    def _workers(self) -> list[int]:
-        found = []
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
-            try:
-                argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            words = [word.decode(errors="replace") for word in argv]
-            if "testbed.cluster.worker" in words and any(w.startswith(self.marker)
-                                                         for w in words):
-                found.append(int(entry))
-        return found
+
+def _pss(pid: int) -> int | None:
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                return int(line.split()[1])
+    except OSError:
+        return None
+    return None
 
 
-def _vm_hwm(pid: int) -> int | None:
+def _status(pid: int, field: str) -> int | None:
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
+            if line.startswith(field):
                 return int(line.split()[1])
     except OSError:
         return None
@@ -197,7 +196,7 @@ def measure_training(workers: int, steps: int, collective: str, root: Path) -> T
             first_step.append(time.monotonic())
 
     launched = time.monotonic()
-    with MemoryWatch(run_dir, workers) as watch:
+    with MemoryWatch(run, workers) as watch:
         result = run.run(on_update)
     end = time.monotonic()
 
@@ -216,7 +215,15 @@ def measure_training(workers: int, steps: int, collective: str, root: Path) -> T
         workers, steps, collective, since(watch.first_seen), since(watch.all_seen),
         since(first_step[0] if first_step else None), end - launched, result.success,
         sorted(kb / 1024 for kb in watch.peak.values()), result.error, len(failed), why,
+        sorted(kb / 1024 for kb in watch.pss.values()),
     )
+
+
+def _spread(values: list[float]) -> str:
+    if not values:
+        return "n/a"
+    return (f"{min(values):.0f} / {statistics.median(values):.0f} / {max(values):.0f} "
+            f"(n={len(values)})")
 
 
 def _s(value: float | None) -> str:
@@ -270,18 +277,19 @@ def report(network: list[NetworkFigures], training: list[TrainFigures], command:
             "until every worker process was seen in /proc, `first step` until every worker "
             "had reported its first step (target for 16 workers: 30 s), `end` until `run` "
             "returned (workers done, network closed, report rendered). Peak memory is each "
-            f"worker's VmHWM (sampled every {SAMPLE} s): min / median / max in MiB.",
+            f"worker's peak (sampled every {SAMPLE} s), min / median / max in MiB: RSS (VmHWM) "
+            "and PSS (the workers are forked from one zygote; PSS counts the pages they share "
+            "with it and each other by share, so it is what each one costs the machine).",
             "",
             "| workers | steps | collective | processes | first step | end | ok "
-            "| peak RSS per worker (MiB) |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- |",
+            "| peak RSS per worker (MiB) | peak PSS per worker (MiB) |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         for t in training:
-            peaks = (f"{min(t.peak_mib):.0f} / {statistics.median(t.peak_mib):.0f} / "
-                     f"{max(t.peak_mib):.0f} (n={len(t.peak_mib)})" if t.peak_mib else "n/a")
             ok = "yes" if t.success else f"no: {t.failed} of {t.workers} failed; {t.why}"
             lines.append(f"| {t.workers} | {t.steps} | {t.collective} | {_s(t.all_started)} "
-                         f"| {_s(t.first_step)} | {_s(t.end)} | {ok} | {peaks} |")
+                         f"| {_s(t.first_step)} | {_s(t.end)} | {ok} | {_spread(t.peak_mib)} "
+                         f"| {_spread(t.pss_mib)} |")
     lines += ["", "### Targets", "", *targets(network, training), "", WHY]
     return "\n".join(lines) + "\n"
 
@@ -316,9 +324,11 @@ ends), 30-45 ms each with this process's memory (torch is imported with the scen
 while they fork. The announced layout's set-up is pyroute2 encoding and decoding some 3 netlink
 requests per link (htb class, fifo leaf, u32 filter), CPU-bound in Python. A link change on the
 fallback is one `nft -f` transaction for every receiver whose loss alone changes. A worker's
-start is mostly `import torch` (3.3 s of CPU each, measured): 16 fresh interpreters need about
-55 CPU-seconds on 2 cores before the first step, so the 30 s target needs workers forked from
-one process that imported torch already."""
+start was mostly `import torch` (3.3 s of CPU each, measured): 16 fresh interpreters needed
+about 55 CPU-seconds on 2 cores before the first step (60.6 s to the first step of all 16
+while other jobs loaded the machine). The workers are now forked from one zygote that imported
+torch once (`testbed/cluster/zygote.py`), so a worker's start is its own set-up: data, model,
+collective."""
 
 
 def _counts(text: str) -> list[int]:

@@ -21,9 +21,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pyroute2 import NetNS, netns
+from pyroute2 import IPRoute, netns
 
 from netem.offload import set_offloads
+from netem.probe import netlink_in
 
 NAME_PREFIX = "tb"
 DEFAULT_SUBNET = "198.18.0.0/24"  # RFC 2544 benchmarking range: never routed anywhere
@@ -77,8 +78,8 @@ class Lab:
             raise ValueError(f"size: a lab on {self.subnet} holds 1..{network.num_addresses - 2}")
         OWNERS.mkdir(parents=True, exist_ok=True)
         (OWNERS / self.prefix).write_text(_process_identity(os.getpid()))
-        netns.create(self.switch)
-        with NetNS(self.switch) as switch:
+        _create_namespace(self.switch)
+        with netlink_in(self.switch) as switch:
             switch.link("add", ifname="br0", kind="bridge")
             (bridge,) = switch.link_lookup(ifname="br0")
             switch.link("set", index=bridge, state="up", mtu=self.mtu)
@@ -87,7 +88,7 @@ class Lab:
         # A host is a few short helper processes that mostly wait (32 one at a time took ~5 s),
         # so threads add them, each with a socket of its own in the switch.
         def add(indices: range) -> list[Host]:
-            with NetNS(self.switch) as switch:
+            with netlink_in(self.switch) as switch:
                 return [self._add_host(switch, bridge, network, index) for index in indices]
 
         threads = min(PARALLEL_HOSTS, self.size)
@@ -96,7 +97,7 @@ class Lab:
             self.hosts.extend(sorted((host for hosts in added for host in hosts),
                                      key=lambda host: host.index))
 
-    def _add_host(self, switch: NetNS, bridge: int, network, index: int) -> Host:
+    def _add_host(self, switch: IPRoute, bridge: int, network, index: int) -> Host:
         host = Host(
             index=index,
             netns=f"{self.prefix}-h{index}",
@@ -104,7 +105,7 @@ class Lab:
             address=str(network.network_address + index + 1),
             switch_port=f"p{index}",
         )
-        netns.create(host.netns)
+        _create_namespace(host.netns)
         switch.link(
             "add",
             ifname=host.switch_port,
@@ -113,7 +114,7 @@ class Lab:
         )
         (port,) = switch.link_lookup(ifname=host.switch_port)
         switch.link("set", index=port, master=bridge, mtu=self.mtu, state="up")
-        with NetNS(host.netns) as ns:
+        with netlink_in(host.netns) as ns:
             (iface,) = ns.link_lookup(ifname=host.iface)
             ns.link("set", index=iface, mtu=self.mtu, state="up")
             ns.addr("add", index=iface, address=host.address, prefixlen=network.prefixlen)
@@ -139,6 +140,14 @@ class Lab:
         remove_namespaces(self.prefix)
         (OWNERS / self.prefix).unlink(missing_ok=True)
         self.hosts.clear()
+
+
+def _create_namespace(name: str) -> None:
+    """`ip netns add`: a process spawned, not forked (pyroute2's `netns.create` forks this
+    process, which costs tens of milliseconds once torch is imported)."""
+    result = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True)
+    if result.returncode:
+        raise OSError(f"ip netns add {name}: {result.stderr.strip()}")
 
 
 def lab_namespaces(prefix: str = NAME_PREFIX) -> list[str]:

@@ -17,7 +17,8 @@ import os
 import socket
 
 from pyroute2.ethtool.ioctl import IoctlEthtool
-from pyroute2.netns import create_socket
+
+from netem.probe import inside
 
 # ethtool's short names -> the kernel's feature names (`ethtool -k` shows both). UFO (UDP
 # fragmentation offload) left the kernel in 4.14; USO (UDP segmentation) is what replaced it.
@@ -66,6 +67,6 @@ def _ethtool(iface: str, netns: str | None) -> IoctlEthtool:
     ethtool = IoctlEthtool(iface)
     if netns is not None:
         ethtool.sock.close()
-        # flags=0: a missing namespace is an error, never silently created.
-        ethtool.sock = create_socket(netns, socket.AF_INET, socket.SOCK_DGRAM, flags=0)
+        with inside(netns):  # a missing namespace is an error, never silently created
+            ethtool.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     return ethtool

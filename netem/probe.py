@@ -36,6 +36,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 import numpy as np
+from pyroute2 import IPRoute
 
 from netem.profile import LinkProfile
 
@@ -665,6 +666,17 @@ def inside(netns: str | None) -> Iterator[None]:
     finally:
         os.close(target)
         os.close(home)
+
+
+@contextlib.contextmanager
+def netlink_in(netns: str | None) -> Iterator[IPRoute]:
+    """A netlink socket in `netns`, made by this thread from inside it: pyroute2's own
+    `IPRoute(netns=...)` forks a helper for that, which costs tens of milliseconds in a process
+    as large as one that imported torch."""
+    with inside(netns):
+        ipr = IPRoute()
+    with ipr:
+        yield ipr
 
 
 def _udp_socket(netns: str | None) -> socket.socket:

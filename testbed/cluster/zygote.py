@@ -33,6 +33,7 @@ from typing import Any
 CLONE_NEWNET = 0x40000000
 PRELOAD = ("torch", "testbed.cluster.worker", "testbed.collectives", "testbed.metrics",
            "testbed.report", "testbed.scenario", "testbed.train")
+OPTIONAL = ("sklearn.datasets",)  # the digits' loader: seconds of imports, if installed
 REAP_EVERY = 0.05  # seconds between the zygote's looks for exited children
 
 
@@ -169,6 +170,9 @@ def _say(**fields: Any) -> None:
 def main() -> int:
     for name in PRELOAD:  # the point of the zygote: imported once, shared by every fork
         importlib.import_module(name)
+    for name in OPTIONAL:
+        with contextlib.suppress(ImportError):
+            importlib.import_module(name)
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the runner's to handle
     children: dict[int, int] = {}  # pid -> rank
