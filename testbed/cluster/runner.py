@@ -104,6 +104,11 @@ class ClusterRun:
         self._lock = threading.Lock()
         self.metrics_urls: list[str] = []  # each worker's /metrics, as seen from the host
 
+    def worker_pids(self) -> dict[int, int]:
+        """The pid of each worker process started so far (the latest of a restarted one)."""
+        with self._lock:
+            return {rank: process.pid for rank, process in self._processes.items()}
+
     def run(self, on_update: Callable[[list[WorkerState]], None] = lambda _: None) -> RunResult:
         """Run to the end (or the first Ctrl-C, which ends the run cleanly and is re-raised)."""
         started = time.monotonic()
