@@ -349,6 +349,8 @@ sandbox_app = typer.Typer(
 )
 app.add_typer(sandbox_app, name="sandbox")
 PASS_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True}
+GUEST_MEM = "4G"  # a guest that runs whole scenarios (the host has far more; pages are lazy)
+GUEST_TIMEOUT = 3600.0  # seconds a guest's pytest or run may take
 
 
 @sandbox_app.command("prepare")
@@ -398,7 +400,8 @@ def sandbox_pytest(ctx: typer.Context) -> None:
         f"({sandbox.describe(kernel)})",
         err=True,
     )
-    result = _sandbox_call(lambda: sandbox.run(argv, kernel=kernel))
+    result = _sandbox_call(lambda: sandbox.run(argv, kernel=kernel, mem=GUEST_MEM,
+                                               timeout=GUEST_TIMEOUT))
     raise typer.Exit(result.returncode)
 
 
@@ -645,8 +648,8 @@ def _run_in_guest(path, name: str, steps: int | None, out: str | None) -> int:
     env = dict(os.environ)
     if sys.stdout.isatty():  # the guest's output comes through a pipe: keep the live display
         env[FORCE_TERMINAL] = "1"
-    result = _sandbox_call(lambda: sandbox.run(argv, kernel=kernel, env=env, mem="4G",
-                                               timeout=3600))
+    result = _sandbox_call(lambda: sandbox.run(argv, kernel=kernel, env=env, mem=GUEST_MEM,
+                                               timeout=GUEST_TIMEOUT))
     return result.returncode
 
 

@@ -44,6 +44,10 @@ POLL = 0.2  # seconds between looks at the workers when none of them says anythi
 PROMETHEUS_TARGETS = "prometheus-targets.json"  # file_sd of the workers' relayed endpoints
 
 
+class RunTimeout(TimeoutError):
+    """`ClusterRun.run(timeout=...)` ran out of time (the run was ended and cleaned up)."""
+
+
 @dataclass
 class WorkerState:
     """What the runner knows of one worker, from its last report."""
@@ -103,14 +107,21 @@ class ClusterRun:
         self._reports: queue.Queue[tuple[int, dict[str, Any]]] = queue.Queue()
         self._lock = threading.Lock()
         self.metrics_urls: list[str] = []  # each worker's /metrics, as seen from the host
+        self._deadline: float | None = None
+        self._timeout: float | None = None
 
     def worker_pids(self) -> dict[int, int]:
         """The pid of each worker process started so far (the latest of a restarted one)."""
         with self._lock:
             return {rank: process.pid for rank, process in self._processes.items()}
 
-    def run(self, on_update: Callable[[list[WorkerState]], None] = lambda _: None) -> RunResult:
-        """Run to the end (or the first Ctrl-C, which ends the run cleanly and is re-raised)."""
+    def run(self, on_update: Callable[[list[WorkerState]], None] = lambda _: None, *,
+            timeout: float | None = None) -> RunResult:
+        """Run to the end (or the first Ctrl-C, which ends the run cleanly and is re-raised).
+        With `timeout` (seconds from now), a run still going then is ended the same way and
+        `RunTimeout` raised; the run directory says so."""
+        self._deadline = None if timeout is None else time.monotonic() + timeout
+        self._timeout = timeout
         started = time.monotonic()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         text = self.scenario_path.read_text()
@@ -246,6 +257,8 @@ class ClusterRun:
         fired = -1
         started = False
         while True:
+            if self._deadline is not None and time.monotonic() > self._deadline:
+                raise RunTimeout(f"the run took longer than {self._timeout:g} s")
             with contextlib.suppress(queue.Empty):
                 rank, report = self._reports.get(timeout=POLL)
                 self._apply(rank, report)

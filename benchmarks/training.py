@@ -1,0 +1,413 @@
+"""Training benchmark: the char-level LM on four workers under random packet loss, and
+DropCompute under lognormal stragglers.
+
+Part 1: the same job (char-lm, seed, data, Adam, steps) at 0, 10, 20 and 30% random loss on
+every link, over `lossy` (strategy sharded: the shard owners apply the optimizer) and over
+`gloo` (strategy gradient) with TCP bbr and, last, TCP cubic. The figure: the final held-out
+perplexity's change against the same collective's lossless run, and wall and step time.
+Part 2: the same model, no loss, gloo, every worker with a lognormal straggler delay and four
+micro-batches, synchronous against DropCompute (threshold auto, 10% target drop rate): mean
+step time, drop rate, final loss. Every cell is a `ClusterRun` of a scenario written here (four
+namespaces; loss by the host's fallback shaping, nftables random drop), with a timeout.
+Writes benchmarks/results/training.md after every cell.
+
+    .venv/bin/python benchmarks/training.py [--quick] [--steps N] [--kinds K,..]
+        [--losses 0,10,..] [--timeout S] [--out PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import os
+import platform
+import re
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+RESULTS = REPO / "benchmarks" / "results" / "training.md"
+WORLD = 4
+SEED = 11
+STEPS = 150
+QUICK_STEPS = 12
+LOSSES = (0.0, 0.10, 0.20, 0.30)
+# Part-1 collectives ("lossy-gradient": lossy under strategy gradient, as gloo runs) and part 2
+KINDS = ("lossy", "lossy-gradient", "gloo-bbr", "gloo-cubic", "dropcompute")
+DEFAULT_KINDS = ("lossy", "gloo-bbr", "dropcompute", "gloo-cubic")
+JOB = {"model": "char-lm", "batch": 32, "optimizer": {"adam": {"lr": 3.0e-3}},
+       "eval_samples": 1024}
+STRAGGLER_MEDIAN = "20ms"  # of the lognormal straggler delay per step (sigma 1.0)
+MICRO_BATCHES = 4
+DROP_COMPUTE = {"threshold": "auto", "target_drop_rate": "10%"}
+TIMEOUT = 360.0  # seconds for one run, start-up included
+QUICK_TIMEOUT = 120.0
+COLLECTIVE = {"lossy": "lossy (sharded)", "lossy-gradient": "lossy (gradient)"}
+AIM = 0.8  # percent: the paper's perplexity change at 10% loss (LLaMA2-7B)
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One run: a collective at a loss (part 1), or a DropCompute mode (part 2)."""
+
+    kind: str  # one of KINDS but dropcompute, or sync | dropcompute
+    loss: float = 0.0
+    median: str = STRAGGLER_MEDIAN  # part 2's straggler
+
+    @property
+    def name(self) -> str:
+        if self.kind in ("sync", "dropcompute"):
+            return self.kind
+        return f"{self.kind}-loss{round(self.loss * 100)}"
+
+    def scenario(self, steps: int) -> dict[str, Any]:
+        """The scenario, as the YAML the runner loads."""
+        job: dict[str, Any] = {**JOB, "steps": steps}
+        topology: dict[str, Any] = {"congestion": "bbr"}
+        collective: dict[str, Any] = {"kind": "gloo"}
+        if self.kind.startswith("lossy"):
+            job["strategy"] = "gradient" if self.kind == "lossy-gradient" else "sharded"
+            collective = {"kind": "lossy"}
+        elif self.kind.startswith("gloo"):
+            topology["congestion"] = self.kind.split("-")[1]
+        else:
+            job.update(micro_batches=MICRO_BATCHES,
+                       straggler={"lognormal": {"median": self.median, "sigma": 1.0}})
+            if self.kind == "dropcompute":
+                job["drop_compute"] = DROP_COMPUTE
+        if self.loss:
+            topology["default"] = {"loss": f"{round(self.loss * 100)}%"}
+        return {"name": f"training-{self.name}", "seed": SEED, "workers": WORLD,
+                "topology": topology, "job": job, "collective": collective,
+                "metrics": {"drift_every": 0}}
+
+
+@dataclass
+class Outcome:
+    cell: Cell
+    status: str  # ok | timeout | failed | skipped
+    steps: int = 0
+    perplexity: float = math.nan  # held-out, mean over workers
+    perplexity_spread: float = 0.0  # max - min over workers
+    eval_loss: float = math.nan
+    train_loss: float = math.nan  # last step's, mean over workers
+    step_seconds: float = math.nan
+    compute_seconds: float = math.nan
+    wait_seconds: float = math.nan
+    wall: float = math.nan  # the run's, start-up included
+    coverage: float = math.nan
+    drop_rate: float = math.nan
+    threshold: float = math.nan
+    congestion: str = ""
+    note: str = ""
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+def run_cell(cell: Cell, steps: int, timeout: float, workdir: Path) -> Outcome:
+    """Write the scenario, run it within `timeout`, read its figures from the run."""
+    import numpy as np
+
+    from testbed.cluster.runner import ClusterRun, RunTimeout
+    from testbed.report.run import load_run
+
+    path = workdir / f"{cell.name}.yaml"
+    path.write_text(yaml.safe_dump(cell.scenario(steps), sort_keys=False))
+    run_dir = workdir / cell.name
+    runner = ClusterRun(path, run_dir=run_dir, backend="auto")
+    started = time.monotonic()
+
+    status, note = "ok", ""
+    try:
+        result = runner.run(timeout=timeout)
+        if not result.success:
+            status, note = "failed", result.error or ""
+    except RunTimeout:
+        status, note = "timeout", f"timed out after {timeout:.0f} s"
+    except Exception as error:  # one failed cell does not end the benchmark
+        status, note = "failed", f"{type(error).__name__}: {error}"
+    if status == "failed":
+        note = worker_error(run_dir) or note
+    outcome = Outcome(cell, status, wall=time.monotonic() - started, note=note)
+    try:
+        run = load_run(run_dir)
+    except Exception as error:
+        outcome.note += f" (run unreadable: {error})"
+        return outcome
+    summary = run.summary or {}
+    outcome.steps = int(summary.get("steps") or 0)
+    outcome.congestion = "/".join(sorted({str(v) for e in run.other if e.get("type") == "cluster"
+                                          for v in (e.get("congestion") or {}).values()}))
+    if run.steps:
+        outcome.train_loss = summary.get("final_loss") or math.nan
+        outcome.step_seconds = float(np.nanmean(run.column("step_seconds")))
+        outcome.compute_seconds = float(np.nanmean(run.column("compute_seconds")))
+        outcome.wait_seconds = float(np.nanmean(run.column("wait_seconds")))
+        outcome.coverage = float(np.nanmean(run.column("coverage")))
+        outcome.drop_rate = summary.get("drop_rate") or 0.0
+        thresholds = run.column("threshold_seconds")
+        thresholds = thresholds[np.isfinite(thresholds)]
+        outcome.threshold = float(thresholds[-1]) if thresholds.size else math.nan
+    evaluations = [w.evaluation for w in runner.workers if w.evaluation]
+    if status == "ok" and len(evaluations) == WORLD:
+        perplexities = [e["perplexity"] for e in evaluations]
+        outcome.perplexity = sum(perplexities) / WORLD
+        outcome.perplexity_spread = max(perplexities) - min(perplexities)
+        outcome.eval_loss = sum(e["loss"] for e in evaluations) / WORLD
+    return outcome
+
+
+def worker_error(run_dir: Path) -> str:
+    """The last line of the first worker log that ends in an error (gloo's timeout, say)."""
+    for log in sorted((run_dir / "logs").glob("worker-*.log")):
+        lines = [line.strip() for line in log.read_text(errors="replace").splitlines()
+                 if line.strip()]
+        if lines and "Error" in lines[-1]:
+            message = re.sub(r"\[[^]]*\] ", "", lines[-1])  # gloo's source location
+            return f"{log.stem}: {message[-160:]}"
+    return ""
+
+
+# -- the report ------------------------------------------------------------------------------
+
+
+def fmt(value: float, digits: int = 3) -> str:
+    return "-" if value is None or not math.isfinite(value) else f"{value:.{digits}g}"
+
+
+def fixed(value: float) -> str:
+    return "-" if not math.isfinite(value) else f"{value:.3f}"
+
+
+def status_text(o: Outcome) -> str:
+    if o.status == "ok":
+        return "ok"
+    return f"{o.status}: {o.note}" if o.note else o.status
+
+
+def baseline(outcomes: list[Outcome], kind: str) -> Outcome | None:
+    return next((o for o in outcomes if o.cell.kind == kind and o.cell.loss == 0
+                 and o.status == "ok"), None)
+
+
+def change(o: Outcome, outcomes: list[Outcome]) -> float:
+    """Percent change of the held-out perplexity against the same collective's 0% run."""
+    clean = baseline(outcomes, o.cell.kind)
+    if clean is None or not math.isfinite(o.perplexity):
+        return math.nan
+    return 100 * (o.perplexity / clean.perplexity - 1)
+
+
+def loss_table(outcomes: list[Outcome]) -> list[str]:
+    rows = [
+        "| collective | transport | loss | steps | perplexity | change vs 0% | held-out loss | "
+        "mean step s | compute s | wait s | wall s | coverage | status |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for o in outcomes:
+        if o.cell.kind in ("sync", "dropcompute"):
+            continue
+        spread = (f" (±{o.perplexity_spread / 2:.3f})" if o.perplexity_spread > 5e-4 else "")
+        delta = change(o, outcomes)
+        transport = "UDP" if o.cell.kind.startswith("lossy") else f"TCP {o.congestion or '?'}"
+        rows.append(
+            f"| {COLLECTIVE.get(o.cell.kind, 'gloo')} | {transport} | {o.cell.loss:.0%} | "
+            f"{o.steps} | {fixed(o.perplexity)}{spread} | "
+            f"{'-' if not math.isfinite(delta) else f'{delta:+.2f}%'} | {fixed(o.eval_loss)} | "
+            f"{fmt(o.step_seconds)} | {fmt(o.compute_seconds)} | {fmt(o.wait_seconds)} | "
+            f"{fmt(o.wall)} | {fmt(o.coverage)} | {status_text(o)} |")
+    return rows
+
+
+def drop_table(outcomes: list[Outcome]) -> list[str]:
+    rows = [
+        "| mode | steps | mean step s | compute s | wait s | drop rate | threshold s | "
+        "final train loss | held-out loss | perplexity | wall s | status |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for o in outcomes:
+        if o.cell.kind not in ("sync", "dropcompute"):
+            continue
+        rows.append(
+            f"| {o.cell.kind} | {o.steps} | {fmt(o.step_seconds)} | {fmt(o.compute_seconds)} | "
+            f"{fmt(o.wait_seconds)} | {fmt(o.drop_rate)} | {fmt(o.threshold)} | "
+            f"{fixed(o.train_loss)} | {fixed(o.eval_loss)} | {fixed(o.perplexity)} | "
+            f"{fmt(o.wall)} | {status_text(o)} |")
+    return rows
+
+
+def observations(outcomes: list[Outcome]) -> list[str]:
+    """Sentences drawn from this run's numbers only."""
+    said: list[str] = []
+    for kind in KINDS[:-1]:
+        clean = baseline(outcomes, kind)
+        if clean is None:
+            continue
+        lossy = [o for o in outcomes if o.cell.kind == kind and o.cell.loss > 0]
+        if not lossy:
+            continue
+        parts = []
+        for o in lossy:
+            if o.status == "ok":
+                parts.append(f"{change(o, outcomes):+.2f}% perplexity, step "
+                             f"{o.step_seconds / clean.step_seconds:.2f}x at {o.cell.loss:.0%}")
+            else:
+                parts.append(f"{status_text(o)} at {o.cell.loss:.0%}")
+        said.append(f"{kind} (0%: perplexity {clean.perplexity:.3f}, step "
+                    f"{clean.step_seconds:.3f} s): " + "; ".join(parts) + ".")
+    ten = next((o for o in outcomes if o.cell.kind == "lossy" and o.cell.loss == 0.1
+                and o.status == "ok"), None)
+    if ten is not None:
+        delta = change(ten, outcomes)
+        said.append(f"lossy at 10% loss: {delta:+.2f}% perplexity against its lossless run, "
+                    f"{'within' if abs(delta) <= AIM else 'outside'} the paper's {AIM}%.")
+    sync = next((o for o in outcomes if o.cell.kind == "sync" and o.status == "ok"), None)
+    drop = next((o for o in outcomes if o.cell.kind == "dropcompute" and o.status == "ok"), None)
+    if sync and drop:
+        said.append(f"DropCompute: step {drop.step_seconds:.3f} s against {sync.step_seconds:.3f}"
+                    f" s synchronous ({sync.step_seconds / drop.step_seconds:.2f}x), "
+                    f"{drop.drop_rate:.1%} of micro-batches dropped, held-out loss "
+                    f"{drop.eval_loss:.4f} against {sync.eval_loss:.4f}.")
+    return said
+
+
+def report(outcomes: list[Outcome], command: str, started: datetime.datetime, elapsed: float,
+           steps: int, median: str, note: str = "") -> str:
+    cpu = next((line.split(":", 1)[1].strip()
+                for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.machine())
+    return "\n".join([
+        "# Training under packet loss: lossy against gloo; DropCompute against synchronous",
+        "",
+        *([f"**{note}**", ""] if note else []),
+        f"Written by `{command}`, started {started:%Y-%m-%d %H:%M} UTC, took "
+        f"{elapsed / 60:.1f} min. Machine: {cpu}, `nproc` {os.cpu_count()}, Linux "
+        f"{platform.release()}, Python {platform.python_version()}. Other developers ran "
+        "tests on the same two cores at the same time: the times are noisy.",
+        "",
+        f"How: every cell is one `ClusterRun` (backend auto) of a scenario written by the "
+        f"benchmark: {WORLD} workers, each a process in its own network namespace, links "
+        "unshaped but for the loss (the host's fallback shaping: nftables random drop on "
+        "every receiver, this kernel has no sch_netem). The job is the same in every cell of "
+        f"part 1: `char-lm` (2-layer transformer, context 64, stdlib corpus), seed {SEED}, "
+        f"batch {JOB['batch']} per worker, Adam lr {JOB['optimizer']['adam']['lr']:g}, "
+        f"{steps} steps; `lossy` runs strategy `sharded` (the shard owners apply Adam to "
+        "their shard and broadcast parameters, both phases as datagrams) with its default "
+        "options (`lossy (gradient)`, where run: an all-reduce of the gradients as datagrams, "
+        "a missing chunk filled with the worker's own, every worker applying Adam); `gloo` "
+        "runs strategy `gradient` (all-reduce of the gradients over TCP) with "
+        "the namespaces' TCP congestion control set to the one in the transport column (as "
+        "the run's cluster event recorded it). Each run "
+        "has a timeout (start-up included); a collective that timed out at one loss is not "
+        "tried at a higher one.",
+        "",
+        "Columns: `perplexity` is exp of the held-out cross-entropy per character after the "
+        f"last step ({JOB['eval_samples']} held-out windows of 64 characters), the mean over "
+        "the four workers (± half their spread where the copies differ: lossy workers can "
+        "hold stale parameters where a broadcast was lost); `change vs 0%` is its change "
+        "against the same collective's lossless run; `mean step s` is the workers' mean step "
+        "time, split into `compute s` (forward, backward, injected delay) and `wait s` (the "
+        "collective and the update); `wall s` is the whole run, about 12 s of start-up "
+        "(namespaces, four torch imports, corpus) included; `coverage` is lossy's mean "
+        "fraction of contributions in the result.",
+        "",
+        "## Part 1: random loss on every link",
+        "",
+        *loss_table(outcomes),
+        "",
+        "## Part 2: DropCompute under lognormal stragglers",
+        "",
+        f"The same model, no loss, gloo (bbr), {MICRO_BATCHES} micro-batches of "
+        f"{JOB['batch'] // MICRO_BATCHES} per step, every worker delayed each step by a "
+        f"lognormal draw (median {median}, sigma 1.0, spread over its micro-batches). "
+        "`sync`: every worker computes all micro-batches; `dropcompute`: threshold auto, "
+        "calibrated after 10 full warm-up steps so that 10% of the micro-batches would be "
+        "dropped. `threshold s` is the calibrated compute-time threshold; `final train loss` "
+        "the last step's training loss (mean over workers), `held-out loss` and `perplexity` "
+        "as above.",
+        "",
+        *drop_table(outcomes),
+        "",
+        "## Observations (generated from this run's numbers)",
+        "",
+        " ".join(observations(outcomes)),
+        "",
+    ])
+
+
+def plan(kinds: list[str], losses: list[float], median: str) -> list[Cell]:
+    """The cells in the order of `kinds`, each part-1 collective at every loss."""
+    cells: list[Cell] = []
+    for kind in kinds:
+        if kind == "dropcompute":
+            cells += [Cell("sync", median=median), Cell("dropcompute", median=median)]
+        else:
+            cells += [Cell(kind, loss) for loss in losses]
+    return cells
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true",
+                        help=f"{QUICK_STEPS} steps per cell, {QUICK_TIMEOUT:.0f} s timeout")
+    parser.add_argument("--steps", type=int, help=f"steps per cell (default {STEPS})")
+    parser.add_argument("--timeout", type=float, help=f"seconds per run (default {TIMEOUT:.0f})")
+    parser.add_argument("--kinds", default=",".join(DEFAULT_KINDS),
+                        help=f"comma-separated, run in this order, of {', '.join(KINDS)} "
+                        f"(default: {','.join(DEFAULT_KINDS)})")
+    parser.add_argument("--losses", default=",".join(f"{round(x * 100)}" for x in LOSSES),
+                        help="comma-separated loss percentages for part 1 (default: %(default)s)")
+    parser.add_argument("--straggler-median", default=STRAGGLER_MEDIAN,
+                        help="median of part 2's lognormal straggler delay (default: %(default)s)")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    kinds = [kind.strip() for kind in args.kinds.split(",") if kind.strip()]
+    unknown = sorted(set(kinds) - set(KINDS))
+    losses = [float(x) / 100 for x in args.losses.split(",") if x.strip()]
+    if unknown or not kinds:
+        parser.error(f"--kinds: expected some of {', '.join(KINDS)}, got {args.kinds!r}")
+    if os.geteuid() != 0:
+        raise SystemExit("needs root: network namespaces and shaping")
+    steps = args.steps or (QUICK_STEPS if args.quick else STEPS)
+    timeout = args.timeout or (QUICK_TIMEOUT if args.quick else TIMEOUT)
+    command = " ".join([".venv/bin/python", "benchmarks/training.py", *sys.argv[1:]])
+    started_at = datetime.datetime.now(datetime.UTC)
+    started = time.monotonic()
+    cells = plan(kinds, losses, args.straggler_median)
+    outcomes: list[Outcome] = []
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="tb-training-") as tmp:
+        for number, cell in enumerate(cells, start=1):
+            given_up = next((o for o in outcomes if o.cell.kind == cell.kind
+                             and o.status == "timeout" and o.cell.loss < cell.loss), None)
+            if given_up is not None:
+                outcome = Outcome(cell, "skipped",
+                                  note=f"timed out at {given_up.cell.loss:.0%}")
+            else:
+                outcome = run_cell(cell, steps, timeout, Path(tmp))
+            outcomes.append(outcome)
+            print(f"[{number}/{len(cells)} {(time.monotonic() - started) / 60:.1f} min] "
+                  f"{cell.name}: {status_text(outcome)}, perplexity {fmt(outcome.perplexity, 4)}"
+                  f", step {fmt(outcome.step_seconds)} s, wall {outcome.wall:.0f} s",
+                  file=sys.stderr, flush=True)
+            partial = "" if number == len(cells) else (
+                f"Partial: {number} of {len(cells)} cells so far.")
+            args.out.write_text(report(outcomes, command, started_at,
+                                       time.monotonic() - started, steps, args.straggler_median,
+                                       note=partial))
+    text = report(outcomes, command, started_at, time.monotonic() - started, steps,
+                  args.straggler_median)
+    print(text)
+    print(f"wrote {args.out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
