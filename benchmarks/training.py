@@ -290,8 +290,7 @@ def report(outcomes: list[Outcome], command: str, started: datetime.datetime, el
         *([f"**{note}**", ""] if note else []),
         f"Written by `{command}`, started {started:%Y-%m-%d %H:%M} UTC, took "
         f"{elapsed / 60:.1f} min. Machine: {cpu}, `nproc` {os.cpu_count()}, Linux "
-        f"{platform.release()}, Python {platform.python_version()}. Other developers ran "
-        "tests on the same two cores at the same time: the times are noisy.",
+        f"{platform.release()}, Python {platform.python_version()}.",
         "",
         f"How: every cell is one `ClusterRun` (backend auto) of a scenario written by the "
         f"benchmark: {WORLD} workers, each a process in its own network namespace, links "
