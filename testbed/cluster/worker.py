@@ -289,10 +289,10 @@ class Worker:
                                             **scenario.collective.options(),
                                             **placement(kind, spec, scenario))
             evaluation = self._train(scenario, collective, writer, metrics, PeerExchange(spec))
-            _say(rank=spec.rank, done=True, evaluation=evaluation,
+            say(rank=spec.rank, done=True, evaluation=evaluation,
                  seconds=time.monotonic() - started)
             if scenario.metrics.linger:  # the runner's SIGTERM ends it once all are done
-                _say(rank=spec.rank, lingering=True)
+                say(rank=spec.rank, lingering=True)
                 time.sleep(scenario.metrics.linger)
         except SystemExit as stop:
             if evaluation is not None:  # ended while lingering: the work is done
@@ -329,7 +329,7 @@ class Worker:
         else:  # every worker starts step 0 together, whatever its set-up took
             start = 0
             exchange.barrier("start", START_WAIT)
-            _say(rank=spec.rank, ready=True)
+            say(rank=spec.rank, ready=True)
         bursts = BurstControl(control_path(spec.run_dir, spec.rank), config.seed, spec.rank)
         every = scenario.metrics.drift_every
         computes: dict[int, float] = {}
@@ -348,7 +348,7 @@ class Worker:
             metrics.observe_transport(collective)
             writer.step(record, drift=measured.relative if measured else None)
             stats = record.stats
-            _say(rank=spec.rank, step=step, loss=record.loss, step_seconds=record.step_seconds,
+            say(rank=spec.rank, step=step, loss=record.loss, step_seconds=record.step_seconds,
                  coverage=stats.coverage if stats else None,
                  datagrams_lost=(stats.extra.get("datagrams_lost") if stats else None),
                  drift=measured.relative if measured else None)
@@ -389,10 +389,13 @@ def torch_dtype(job: Any) -> Any:
     return job.parameters[0].dtype
 
 
-def _say(**fields: Any) -> None:
+def say(**fields: Any) -> None:
+    """One JSON line on stdout in one write: several workers share the zygote's pipe, and a
+    line written in pieces (as `print` does with PYTHONUNBUFFERED set) can be cut into by
+    another's (a write of up to PIPE_BUF bytes is never split)."""
     clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
              for k, v in fields.items()}
-    print(json.dumps(clean), flush=True)
+    os.write(sys.stdout.fileno(), (json.dumps(clean) + "\n").encode())
 
 
 if __name__ == "__main__":

@@ -30,6 +30,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from testbed.cluster.worker import say
+
 CLONE_NEWNET = 0x40000000
 PRELOAD = ("torch", "testbed.cluster.worker", "testbed.collectives", "testbed.metrics",
            "testbed.report", "testbed.scenario", "testbed.train")
@@ -163,10 +165,6 @@ def _child(request: dict[str, Any]) -> int:
     return worker.main([request["spec"]])
 
 
-def _say(**fields: Any) -> None:
-    print(json.dumps(fields), flush=True)
-
-
 def main() -> int:
     for name in PRELOAD:  # the point of the zygote: imported once, shared by every fork
         importlib.import_module(name)
@@ -188,7 +186,7 @@ def main() -> int:
                 request = json.loads(line)
                 pid = _fork(request)
                 children[pid] = request["rank"]
-                _say(started=request["rank"], pid=pid)
+                say(started=request["rank"], pid=pid)
         elif not reading:
             select.select([], [], [], REAP_EVERY)
         _reap(children)
@@ -227,7 +225,7 @@ def _reap(children: dict[int, int]) -> None:
             return
         rank = children.pop(pid, None)
         if rank is not None:
-            _say(exited=rank, pid=pid, code=os.waitstatus_to_exitcode(status))
+            say(exited=rank, pid=pid, code=os.waitstatus_to_exitcode(status))
 
 
 if __name__ == "__main__":
