@@ -64,7 +64,7 @@ from netem.plan import (
     render_commands,
     source_key,
 )
-from netem.probe import ProbeError, inside
+from netem.probe import ProbeError, netlink_in
 from netem.profile import LinkProfile
 
 ETH_P_ALL, ETH_P_IP = 0x0003, 0x0800
@@ -454,8 +454,7 @@ def _nft_losses(direction: Direction, iface: str, netns: str | None) -> dict[str
 def _netlink(netns: str | None) -> Iterator[IPRoute]:
     """A netlink socket in the namespace; a missing namespace is an error, never created."""
     try:
-        with inside(netns):  # made from inside: pyroute2's netns= forks a helper
-            ipr = IPRoute()
+        ipr = netlink_in(netns)
     except ProbeError:
         raise ShapingError(f"network namespace {netns!r} does not exist") from None
     with ipr:

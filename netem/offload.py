@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 
 from pyroute2.ethtool.ioctl import IoctlEthtool
 
-from netem.probe import inside
+from netem.probe import udp_socket_in
 
 # ethtool's short names -> the kernel's feature names (`ethtool -k` shows both). UFO (UDP
 # fragmentation offload) left the kernel in 4.14; USO (UDP segmentation) is what replaced it.
@@ -67,6 +66,5 @@ def _ethtool(iface: str, netns: str | None) -> IoctlEthtool:
     ethtool = IoctlEthtool(iface)
     if netns is not None:
         ethtool.sock.close()
-        with inside(netns):  # a missing namespace is an error, never silently created
-            ethtool.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        ethtool.sock = udp_socket_in(netns)  # a missing namespace is an error, never created
     return ethtool

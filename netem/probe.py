@@ -668,18 +668,16 @@ def inside(netns: str | None) -> Iterator[None]:
         os.close(home)
 
 
-@contextlib.contextmanager
-def netlink_in(netns: str | None) -> Iterator[IPRoute]:
-    """A netlink socket in `netns`, made by this thread from inside it: pyroute2's own
-    `IPRoute(netns=...)` forks a helper for that, which costs tens of milliseconds in a process
-    as large as one that imported torch."""
+def netlink_in(netns: str | None) -> IPRoute:
+    """A netlink socket in `netns` (use it as a context manager), made by this thread from
+    inside it: pyroute2's own `IPRoute(netns=...)` forks a helper for that, which costs tens of
+    milliseconds in a process as large as one that imported torch."""
     with inside(netns):
-        ipr = IPRoute()
-    with ipr:
-        yield ipr
+        return IPRoute()
 
 
-def _udp_socket(netns: str | None) -> socket.socket:
+def udp_socket_in(netns: str | None) -> socket.socket:
+    """A UDP socket in `netns`, made by this thread from inside it."""
     with inside(netns):
         return socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
 
@@ -699,7 +697,7 @@ class _Receiver:
         capacity: int,
     ) -> None:
         self.run, self.size, self.keep, self.capacity = run, size, keep, capacity
-        self.sock = _udp_socket(netns)
+        self.sock = udp_socket_in(netns)
         try:
             self.sock.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, RECEIVE_BUFFER)
             self.sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
@@ -798,7 +796,7 @@ class _Sender:
         size: int,
         checksum: bool,
     ) -> None:
-        self.sock = _udp_socket(netns)
+        self.sock = udp_socket_in(netns)
         if not checksum:
             self.sock.setsockopt(socket.SOL_SOCKET, SO_NO_CHECK, 1)
         self.destination, self.run, self.size = destination, run, size
@@ -959,7 +957,7 @@ def measure_rate(
     """
     _check_address(address)
     run = secrets.randbits(32)
-    probe_sock = _udp_socket(source)
+    probe_sock = udp_socket_in(source)
     try:
         probe_sock.connect((address, 9))
         mtu = probe_sock.getsockopt(socket.IPPROTO_IP, IP_MTU)

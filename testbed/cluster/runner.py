@@ -64,7 +64,6 @@ class WorkerState:
     evaluation: dict[str, float] = field(default_factory=dict)
     restarts: int = 0
     ready: bool = False  # set up and past the start barrier: training began
-    finished: bool = False  # said it is done
     lingering: bool = False  # done, and serving /metrics until told to end (metrics.linger)
 
 
@@ -215,7 +214,7 @@ class ClusterRun:
             self._killed.discard(rank)
             self._late.discard(rank)
             self.workers[rank].status = "starting"
-            self.workers[rank].finished = self.workers[rank].lingering = False
+            self.workers[rank].lingering = False
 
     def _kill(self, ranks: list[int]) -> None:
         """Preemption: the worker is gone at once, without its own clean-up."""
@@ -314,7 +313,6 @@ class ClusterRun:
             return
         if report.get("done"):
             state.evaluation = dict(report.get("evaluation") or {})
-            state.finished = True
             return
         if report.get("lingering"):
             state.lingering = True

@@ -158,15 +158,25 @@ class PeerExchange:
         self.store = TCPStore(spec.hosts[0], spec.port("drift", 0), is_master=False,
                               timeout=datetime.timedelta(seconds=60))
 
-    def barrier(self, name: str, timeout: float) -> None:
-        """Return once every worker reached barrier `name`; raise naming the workers that did
-        not within `timeout` seconds."""
-        self.store.set(f"{name}/{self.spec.rank}", b"1")
+    def _meet(self, name: str, value: bytes, timeout: float) -> list[str]:
+        """Post this worker's `value` under `name`; every worker's key, once all are there.
+        Raises TimeoutError if some are not within `timeout` seconds."""
+        self.store.set(f"{name}/{self.spec.rank}", value)
         keys = [f"{name}/{rank}" for rank in range(self.spec.world)]
         try:
             self.store.wait(keys, datetime.timedelta(seconds=timeout))
-        except RuntimeError:
-            absent = [rank for rank, key in enumerate(keys) if not self.store.check([key])]
+        except RuntimeError:  # a timeout: c10d raises DistStoreError, a RuntimeError
+            raise TimeoutError(name) from None
+        return keys
+
+    def barrier(self, name: str, timeout: float) -> None:
+        """Return once every worker reached barrier `name`; raise naming the workers that did
+        not within `timeout` seconds."""
+        try:
+            self._meet(name, b"1", timeout)
+        except TimeoutError:
+            absent = [rank for rank in range(self.spec.world)
+                      if not self.store.check([f"{name}/{rank}"])]
             raise RuntimeError(f"workers {absent} did not reach {name!r} within {timeout:g} s "
                                f"(see their logs)") from None
 
@@ -185,11 +195,9 @@ class PeerExchange:
         within EXCHANGE_WAIT (a worker killed by the timeline)."""
         import torch
 
-        self.store.set(f"{step}/{self.spec.rank}", values.numpy().tobytes())
-        keys = [f"{step}/{rank}" for rank in range(self.spec.world)]
         try:
-            self.store.wait(keys, datetime.timedelta(seconds=EXCHANGE_WAIT))
-        except RuntimeError:  # a timeout: c10d raises DistStoreError, a RuntimeError
+            keys = self._meet(str(step), values.numpy().tobytes(), EXCHANGE_WAIT)
+        except TimeoutError:
             return None
         return {rank: torch.frombuffer(bytearray(self.store.get(key)), dtype=torch.float64)
                 for rank, key in enumerate(keys)}
@@ -330,12 +338,16 @@ class Worker:
             start = 0
             exchange.barrier("start", START_WAIT)
             say(rank=spec.rank, ready=True)
+        # Progress is posted only for a worker that may come back to read it (a store round
+        # trip per step otherwise spent for nothing).
+        rejoinable = any(event.action == "restart" for event in scenario.timeline)
         bursts = BurstControl(control_path(spec.run_dir, spec.rank), config.seed, spec.rank)
         every = scenario.metrics.drift_every
         computes: dict[int, float] = {}
         for step in range(start, config.steps):
             record = job.step(step, extra_delay=bursts.delay())
-            exchange.report_progress(step)
+            if rejoinable:
+                exchange.report_progress(step)
             computes[step] = record.compute_seconds
             if config.eval_every and (step + 1) % config.eval_every == 0:
                 record.evaluation = job.evaluate()

@@ -195,7 +195,6 @@ def main() -> int:
 
 def _fork(request: dict[str, Any]) -> int:
     """Fork the child that becomes the worker; returns its pid (in the zygote)."""
-    sys.stdout.flush()
     pid = os.fork()
     if pid:
         return pid
