@@ -162,9 +162,7 @@ class ClusterRun:
         finally:
             failed = [w for w in self.workers if w.status != "done"]
             if error is None and failed:
-                error = "; ".join(f"worker {w.rank} {w.status}"
-                                  + (f" (exit {w.exit_code})" if w.exit_code else "")
-                                  for w in failed)
+                error = "; ".join(self._failure(w) for w in failed)
             summary = writer.finish(success=error is None, error=error)
             writer.close()
             html = _render(self.run_dir)
@@ -202,13 +200,25 @@ class ClusterRun:
     def _spec_path(self, rank: int) -> Path:
         return self.run_dir / "logs" / f"worker-{rank}.json"
 
+    def _log_path(self, rank: int) -> Path:
+        return self.run_dir / "logs" / f"worker-{rank}.log"
+
+    def _failure(self, worker: WorkerState) -> str:
+        """'worker N failed (exit 1): <its log's last line>', the reason where the log has one."""
+        text = f"worker {worker.rank} {worker.status}"
+        if worker.exit_code:
+            text += f" (exit {worker.exit_code})"
+        log = self._log_path(worker.rank)
+        lines = log.read_text(errors="replace").strip().splitlines() if log.exists() else []
+        return f"{text}: {lines[-1]}" if lines else text
+
     def _start(self, rank: int) -> None:
         """Start (or restart) worker `rank` from its spec file, in its namespace: forked by the
         zygote, which imported torch once for all of them."""
         assert self._zygote is not None
         process = self._zygote.spawn(rank, str(self._spec_path(rank).resolve()),
                                      self._namespaces[rank],
-                                     str((self.run_dir / "logs" / f"worker-{rank}.log").resolve()))
+                                     str(self._log_path(rank).resolve()))
         with self._lock:
             self._processes[rank] = process
             self._killed.discard(rank)

@@ -33,8 +33,10 @@ from typing import Any
 from testbed.cluster.worker import say
 
 CLONE_NEWNET = 0x40000000
-PRELOAD = ("torch", "testbed.cluster.worker", "testbed.collectives", "testbed.metrics",
-           "testbed.report", "testbed.scenario", "testbed.train")
+# torch._dynamo: every optimizer's first step imports it (~800 modules: 1.8 s of CPU here, and in
+# the UML guest, with every worker importing at once over its slow file system, once minutes).
+PRELOAD = ("torch", "torch._dynamo", "testbed.cluster.worker", "testbed.collectives",
+           "testbed.metrics", "testbed.report", "testbed.scenario", "testbed.train")
 OPTIONAL = ("sklearn.datasets",)  # the digits' loader: seconds of imports, if installed
 REAP_EVERY = 0.05  # seconds between the zygote's looks for exited children
 
