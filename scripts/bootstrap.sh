@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-APT_PACKAGES=(iproute2 nftables kmod iputils-ping ethtool patchelf ca-certificates)
+APT_PACKAGES=(iproute2 nftables kmod iputils-ping ethtool patchelf ca-certificates prometheus)
 VENV=${TESTBED_VENV:-.venv}
 PYTHON=${PYTHON:-python3.11}
 command -v "$PYTHON" >/dev/null || PYTHON=python3

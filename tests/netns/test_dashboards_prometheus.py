@@ -1,0 +1,312 @@
+"""Every query of every Grafana dashboard, run by a real Prometheus against real runs.
+
+A Prometheus server (Debian's /usr/bin/prometheus) scrapes every 1 s the workers of three short
+`ClusterRun`s through their relays, found with `file_sd_configs` on each run's
+`prometheus-targets.json`, as docs/grafana.md tells a user to. Between them the runs feed every
+metric a panel shows:
+
+- lossy: the lossy all-reduce with 20% loss between workers 0 and 1 (lost datagrams, chunks
+  missing, drift), a TCP resync every 3 steps, worker 3 a 300 ms straggler past a fixed 50 ms
+  deadline (late datagrams, straggler wait) with DropCompute at 50 ms (drops), evaluations
+  every 10 steps (eval loss, accuracy);
+- moshpit: Moshpit averaging with worker 3 killed at step 25 and restarted at step 30 (rounds,
+  incomplete rounds, calls without a peer, a rejoin);
+- ring: the ring all-reduce over links with 10% loss (its own sockets' retransmits).
+
+Each run waits, while its workers linger after their last step, until Prometheus has scraped
+every worker after all were done (polling its HTTP API, bounded). Then each panel target's
+expression, with Grafana's variables substituted (`testbed.dashboards.substitute`: all three
+scenarios and runs, every worker the `worker` variable's own query returns), goes through
+`/api/v1/query_range` over the three runs and must return data; the panels that show a fault
+must also show a positive value somewhere. Loss comes from the fallback (nftables), so this
+runs on the host kernel."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shutil
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from testbed import dashboards
+from testbed.cluster.runner import PROMETHEUS_TARGETS, ClusterRun, WorkerState
+
+pytestmark = pytest.mark.netns
+WORLD = 4
+SCRAPE = 1.0  # seconds: Prometheus' scrape interval, and the query step ($__interval)
+READY_TIMEOUT = 30.0
+SCRAPED_TIMEOUT = 30.0  # well inside the workers' linger (60 s)
+RUN_TIMEOUT = 300.0
+PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
+GRAFANA = Path(__file__).resolve().parents[2] / "grafana" / "dashboards"
+
+LOSSY = """
+name: dash-lossy
+seed: 3
+workers:
+  count: 4
+  overrides:
+    - {worker: 3, straggler: {fixed: 300ms}}
+topology:
+  default: {loss: 0%}
+  links:
+    - between: [0, 1]
+      profile: {loss: 20%}
+job: {model: mlp, steps: 30, batch: 32, micro_batches: 2, strategy: sharded, eval_every: 10,
+      drop_compute: {threshold: 50ms}}
+collective: {kind: lossy, deadline_initial: 0.05, deadline_floor: 0.05, deadline_ceiling: 0.05,
+             resync_every: 3}
+metrics: {drift_every: 2, linger: 60s}  # not 3: a resync (every 3rd step) evens the copies
+"""
+MOSHPIT = """
+name: dash-moshpit
+seed: 5
+workers: 4
+job: {model: mlp, steps: 80, batch: 32, strategy: average, average_every: 2,
+      straggler: {fixed: 150ms}}
+collective: {kind: moshpit, group_size: 2, timeout: 1.0, heartbeat: 0.2}
+metrics: {drift_every: 0, linger: 60s}
+timeline:
+  - {step: 25, kill: 3}
+  - {step: 30, restart: 3}
+"""
+RING = """
+name: dash-ring
+seed: 11
+workers: 4
+topology: {default: {loss: 10%}}
+job: {model: mlp, steps: 30, batch: 32, strategy: gradient}
+collective: {kind: ring}
+metrics: {drift_every: 0, linger: 60s}
+"""
+SCENARIOS = {"lossy": (LOSSY, 30), "moshpit": (MOSHPIT, 80), "ring": (RING, 30)}
+
+# Panels that show a fault of these runs: somewhere in the runs their query is above 0.
+POSITIVE = {
+    ("overview.json", "Training loss", "A"),
+    ("overview.json", "Held-out accuracy", "A"),
+    ("network.json", "Configured loss per link", "A"),
+    ("network.json", "Measured loss per link", "A"),
+    ("network.json", "Datagrams lost", "A"),
+    ("network.json", "Datagrams late", "A"),
+    ("network.json", "Chunks missing at the deadline", "A"),
+    ("network.json", "TCP retransmits per socket", "A"),
+    ("drift.json", "Relative drift per worker", "A"),
+    ("stragglers.json", "Straggler wait", "A"),
+    ("stragglers.json", "Straggler wait per worker", "B"),
+    ("stragglers.json", "DropCompute drop rate", "A"),
+    ("moshpit.json", "Averaging rounds", "A"),
+    ("moshpit.json", "Incomplete rounds", "A"),
+    ("moshpit.json", "Calls without a peer", "A"),
+    ("moshpit.json", "Rejoins", "A"),
+}
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@dataclass
+class Prometheus:
+    url: str
+    log: Path
+
+    def get(self, path: str, **params: str) -> Any:
+        query = urllib.parse.urlencode(params)
+        with urllib.request.urlopen(f"{self.url}{path}?{query}", timeout=10) as response:
+            body = json.load(response)
+        assert body["status"] == "success", body
+        return body["data"]
+
+    def query(self, expr: str, at: float | None = None) -> list[dict[str, Any]]:
+        params = {"query": expr} if at is None else {"query": expr, "time": f"{at:.3f}"}
+        return self.get("/api/v1/query", **params)["result"]
+
+    def log_tail(self) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-20:])
+
+
+@pytest.fixture
+def prometheus(tmp_path: Path) -> Iterator[Prometheus]:
+    """A Prometheus scraping the runs' file_sd documents (tmp_path/runs/NAME/...), every 1 s;
+    stopped at the end, pass or fail."""
+    if not Path(PROMETHEUS).exists():
+        pytest.fail(f"{PROMETHEUS} is missing: scripts/bootstrap.sh installs Debian's "
+                    f"prometheus package", pytrace=False)
+    files = [str(tmp_path / "runs" / name / PROMETHEUS_TARGETS) for name in SCENARIOS]
+    config = tmp_path / "prometheus.yml"
+    config.write_text(yaml.safe_dump({
+        "global": {"scrape_interval": f"{SCRAPE:g}s", "scrape_timeout": f"{SCRAPE:g}s",
+                   "evaluation_interval": f"{SCRAPE:g}s"},
+        "scrape_configs": [{"job_name": "testbed", "file_sd_configs": [
+            {"files": files, "refresh_interval": "1s"}]}],
+    }))
+    port = free_port()
+    log = tmp_path / "prometheus.log"
+    with log.open("w") as out:
+        process = subprocess.Popen(
+            [PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+             f"--web.listen-address=127.0.0.1:{port}", "--log.level=info"],
+            stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    server = Prometheus(f"http://127.0.0.1:{port}", log)
+    try:
+        deadline = time.monotonic() + READY_TIMEOUT
+        while True:
+            assert process.poll() is None, f"prometheus exited:\n{server.log_tail()}"
+            try:
+                with urllib.request.urlopen(f"{server.url}/-/ready", timeout=2) as response:
+                    if response.status == 200:
+                        break
+            except (urllib.error.URLError, ConnectionError):
+                pass
+            assert time.monotonic() < deadline, (
+                f"prometheus not ready within {READY_TIMEOUT:g} s:\n{server.log_tail()}")
+            time.sleep(0.2)  # polling its readiness endpoint
+        yield server
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+@dataclass
+class Scraped:
+    """The run's `on_update`: once every worker lingers after its last step, waits until
+    Prometheus has scraped all of them since, with the last step's values (so nothing of the
+    run is missing from its TSDB), and notes when."""
+
+    prometheus: Prometheus
+    run: str
+    steps: int
+    at: float | None = None
+    seen: list[str] = field(default_factory=list)
+
+    def __call__(self, workers: list[WorkerState]) -> None:
+        if self.at is not None or not all(w.lingering for w in workers):
+            return
+        done = time.time()
+        selector = f'testbed_step{{run="{self.run}"}}'
+        deadline = time.monotonic() + SCRAPED_TIMEOUT
+        while True:
+            steps = self.prometheus.query(selector)
+            stamps = self.prometheus.query(f"timestamp({selector})")
+            up = self.prometheus.query(f'up{{run="{self.run}"}}')
+            self.seen = [f"rank {s['metric']['rank']}: step {s['value'][1]}" for s in steps]
+            fresh = [s for s in stamps if float(s["value"][1]) > done]
+            if (len(steps) == WORLD and len(fresh) == WORLD
+                    and all(float(s["value"][1]) == self.steps - 1 for s in steps)
+                    and len(up) == WORLD and all(s["value"][1] == "1" for s in up)):
+                self.at = time.time()
+                return
+            assert time.monotonic() < deadline, (
+                f"{self.run}: Prometheus did not scrape every worker's last step within "
+                f"{SCRAPED_TIMEOUT:g} s of the end; it has {self.seen}, up {up}\n"
+                f"{self.prometheus.log_tail()}")
+            time.sleep(0.2)  # polling Prometheus until its next scrapes
+
+
+def run_scenario(tmp_path: Path, prometheus: Prometheus, name: str) -> tuple[float, float]:
+    """Run one scenario to its end while Prometheus scrapes it; (start, all scraped) times."""
+    text, steps = SCENARIOS[name]
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(text)
+    run_dir = tmp_path / "runs" / name
+    started = time.time()
+    cluster = ClusterRun(path, run_dir=run_dir, backend="fallback")
+    scraped = Scraped(prometheus, run_dir.name, steps)
+    result = cluster.run(scraped, timeout=RUN_TIMEOUT)
+    assert result.success, result.error
+    targets = json.loads((run_dir / PROMETHEUS_TARGETS).read_text())
+    assert [t["labels"]["worker"] for t in targets] == [str(r) for r in range(WORLD)]
+    assert {t["labels"]["run"] for t in targets} == {name}
+    assert scraped.at is not None, f"{name}: the workers were never all done while serving"
+    return started, scraped.at
+
+
+def label_values(prometheus: Prometheus, definition: str, values: dict[str, Any],
+                 start: float, end: float) -> list[str]:
+    """A `label_values(selector, label)` variable query, as Grafana runs it."""
+    match = re.fullmatch(r"label_values\((.*),\s*(\w+)\)", definition)
+    assert match, definition
+    selector = dashboards.substitute(match.group(1), values, interval=SCRAPE,
+                                     scrape_interval=SCRAPE, range_seconds=end - start)
+    return prometheus.get(f"/api/v1/label/{match.group(2)}/values", **{
+        "match[]": selector, "start": f"{start:.3f}", "end": f"{end:.3f}"})
+
+
+def maximum(result: list[dict[str, Any]]) -> float:
+    finite = [float(v) for series in result for _, v in series["values"]
+              if math.isfinite(float(v))]
+    return max(finite, default=-math.inf)
+
+
+def test_every_dashboard_query_returns_data_from_real_runs(tmp_path: Path,
+                                                           prometheus: Prometheus):
+    spans = [run_scenario(tmp_path, prometheus, name) for name in SCENARIOS]
+    start, end = min(s for s, _ in spans), max(e for _, e in spans)
+    boards = {path.name: json.loads(path.read_text()) for path in sorted(GRAFANA.glob("*.json"))}
+    assert len(boards) == 5
+
+    # The variables, by their own queries: each offers what the runs were.
+    values: dict[str, Any] = {}
+    expected = {"scenario": {f"dash-{name}" for name in SCENARIOS}, "run": set(SCENARIOS),
+                "worker": {str(rank) for rank in range(WORLD)}}
+    for board in boards.values():
+        chosen: dict[str, Any] = {}
+        for variable in board["templating"]["list"]:
+            offered = label_values(prometheus, variable["definition"], chosen, start, end)
+            assert set(offered) == expected[variable["name"]], (variable["name"], offered)
+            chosen[variable["name"]] = sorted(offered)
+        values = chosen
+
+    # Every target of every panel, as Grafana would send it.
+    empty, not_positive, checked = [], [], 0
+    for file, board in boards.items():
+        for panel in board["panels"]:
+            for t in panel["targets"]:
+                expr = dashboards.substitute(t["expr"], values, interval=SCRAPE,
+                                             scrape_interval=SCRAPE, range_seconds=end - start)
+                assert "$" not in expr, expr
+                result = prometheus.get("/api/v1/query_range", query=expr,
+                                        start=f"{start:.3f}", end=f"{end:.3f}",
+                                        step=f"{SCRAPE:g}")["result"]
+                checked += 1
+                where = f"{file}: {panel['title']} [{t['refId']}]: {expr}"
+                if not result or not any(series["values"] for series in result):
+                    empty.append(where)
+                elif (file, panel["title"], t["refId"]) in POSITIVE and maximum(result) <= 0:
+                    not_positive.append(f"{where} (max {maximum(result)})")
+    assert checked == sum(len(p["targets"]) for b in boards.values() for p in b["panels"])
+    assert not empty, "panels without data:\n" + "\n".join(empty)
+    assert not not_positive, "panels that never showed the fault:\n" + "\n".join(not_positive)
+    for file, title, ref in POSITIVE:  # the list names panels that exist
+        assert any(p["title"] == title and any(t["refId"] == ref for t in p["targets"])
+                   for p in boards[file]["panels"]), (file, title, ref)
+
+    # The filters select: one run's panel shows that run only, one worker's that worker only.
+    only = {**values, "run": ["moshpit"], "worker": ["2"]}
+    expr = dashboards.substitute(dashboards.sel("testbed_step"), only, interval=SCRAPE,
+                                 scrape_interval=SCRAPE, range_seconds=end - start)
+    result = prometheus.get("/api/v1/query_range", query=expr, start=f"{start:.3f}",
+                            end=f"{end:.3f}", step=f"{SCRAPE:g}")["result"]
+    assert [(s["metric"]["run"], s["metric"]["rank"], s["metric"]["worker"])
+            for s in result] == [("moshpit", "2", "2")]
+    assert max(float(v) for _, v in result[0]["values"]) == SCENARIOS["moshpit"][1] - 1
