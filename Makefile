@@ -14,7 +14,8 @@ measure: bootstrap
 
 test: bootstrap
 	$(VENV)/bin/ruff check netem testbed tests benchmarks
-	$(VENV)/bin/python -m pytest -m "not netem_kernel" tests
+	$(VENV)/bin/python -m pytest -m "not netem_kernel and not compose" tests
+	$(VENV)/bin/python -m pytest -m compose tests
 	$(VENV)/bin/testbed sandbox pytest -m netem_kernel tests
 
 lint: bootstrap

@@ -21,25 +21,31 @@ def main() -> None:
 
 @app.command()
 def clean() -> None:
-    """Remove what a killed run left: its namespaces (with veths, ifbs, nft tables) and processes.
+    """Remove what a killed run left: its namespaces (with veths, ifbs, nft tables) and processes,
+    and the containers and networks of the testbed's Compose projects.
 
     Only names with the testbed's prefixes are touched: labs (`tb…-h…`, `tb…-sw`), capability
-    probes (`tbcap-PID-…`) and the work directories of guests, each only once its owner is gone.
+    probes (`tbcap-PID-…`) and the work directories of guests, each only once its owner is gone;
+    Compose projects whose workers carry the `testbed.scenario` label.
     """
     from rich.console import Console
 
     from netem.capabilities import remove_orphan_probes
     from netem.lab import remove_namespaces
+    from testbed.compose import remove_projects
     from testbed.sandbox import remove_stale_workdirs
 
     removed = remove_namespaces(orphans_only=True) + remove_orphan_probes()
     stale = remove_stale_workdirs()
+    projects = remove_projects()
     listing = f": {', '.join(removed)}" if removed else ""
     console = Console()
     console.print(f"removed {len(removed)} namespace(s){listing}")
     console.print(
         f"removed {len(stale)} stale guest work director{'y' if len(stale) == 1 else 'ies'}"
     )
+    console.print(f"removed {len(projects)} Compose project(s)"
+                  + (f": {', '.join(projects)}" if projects else ""))
 
 
 @app.command()
@@ -586,16 +592,13 @@ def run(
 ) -> None:
     """Run a scenario end to end: its network, its workers, its fault timeline; a live display,
     a summary table, and the run directory with the report. Exit 1 if the run failed."""
-    from pathlib import Path
 
-    from testbed.scenario import ScenarioError, load_scenario, scenario_files
+    from testbed.scenario import ScenarioError, load_scenario
 
     if sandbox not in ("auto", "uml", "none"):
         typer.echo(f"--sandbox: expected auto, uml or none, got {sandbox!r}", err=True)
         raise typer.Exit(2)
-    shipped = {path.stem: path for path in scenario_files()}
-    path = Path(scenario) if Path(scenario).exists() or scenario not in shipped else shipped[
-        scenario]
+    path = _scenario_path(scenario)
     try:
         loaded = load_scenario(path, steps=steps)
     except ScenarioError as error:
@@ -604,6 +607,62 @@ def run(
     if sandbox == "uml" or (sandbox == "auto" and _needs_guest(loaded)):
         raise typer.Exit(_run_in_guest(path, loaded.name, steps, out))
     _run_here(path, steps, out)
+
+
+def _scenario_path(scenario: str):
+    """A scenario file, or the shipped one of that name (compose/scenarios/NAME.yaml)."""
+    from pathlib import Path
+
+    from testbed.scenario import scenario_files
+
+    shipped = {path.stem: path for path in scenario_files()}
+    given = Path(scenario)
+    return given if given.exists() or scenario not in shipped else shipped[scenario]
+
+
+@app.command()
+def compose(
+    scenario: Annotated[str, typer.Argument(
+        help="A scenario file, or the name of a shipped one (compose/scenarios/NAME.yaml).",
+        show_default=False)],
+    out: Annotated[str | None, typer.Option(
+        "--out", "-o", help="The project's directory. Default: build/compose/NAME.",
+        show_default=False)] = None,
+    steps: Annotated[int | None, typer.Option(
+        help="Override the job's steps (e.g. to shorten a run).", min=1)] = None,
+    subnet: Annotated[str, typer.Option(help="The workers' bridge network (IPv4).")]
+    = "172.28.0.0/24",
+) -> None:
+    """Write a Docker Compose project for a scenario (workers, Prometheus, Grafana); then
+    `docker compose -f DIR/docker-compose.yaml up` runs it (docs/compose.md)."""
+    import ipaddress
+    from pathlib import Path
+
+    from testbed.compose import ComposeError, default_directory, write_project
+    from testbed.scenario import ScenarioError, load_scenario
+
+    path = _scenario_path(scenario)
+    try:
+        ipaddress.ip_network(subnet)
+        loaded = load_scenario(path, steps=steps)
+        directory = Path(out) if out else default_directory(loaded)
+        written = write_project(path, directory, steps=steps, subnet=subnet)
+    except (ScenarioError, ComposeError, ValueError) as error:
+        typer.echo(f"--subnet: {error}" if "network" in str(error) else str(error), err=True)
+        raise typer.Exit(2) from None
+    typer.echo(f"compose project: {written}")
+    typer.echo(f"run it:          docker compose -f {written} up")
+    typer.echo("then open        http://127.0.0.1:3000 (Grafana), http://127.0.0.1:9090 "
+               "(Prometheus); the run directory lands in " f"{written.parent / 'runs'}")
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+             add_help_option=False)
+def node(ctx: typer.Context) -> None:
+    """One worker of a Compose run, in its container (see `testbed node --help`)."""
+    from testbed.cluster.node import main as node_main
+
+    raise typer.Exit(node_main(list(ctx.args)))
 
 
 FORCE_TERMINAL = "TESTBED_FORCE_TERMINAL"  # set for a guest whose output a terminal shows

@@ -33,7 +33,7 @@ from netem.probe import inside
 from testbed.cluster.network import ClusterNetwork
 from testbed.cluster.relay import MetricsRelay
 from testbed.cluster.timeline import Timeline
-from testbed.cluster.worker import PORTS, WorkerSpec, control_path, serve_run_store
+from testbed.cluster.worker import PORTS, WorkerSpec, post_burst, serve_run_store
 from testbed.cluster.zygote import ForkedWorker, Zygote
 from testbed.report import RunWriter
 from testbed.scenario import Scenario, load_scenario
@@ -165,7 +165,7 @@ class ClusterRun:
                 error = "; ".join(self._failure(w) for w in failed)
             summary = writer.finish(success=error is None, error=error)
             writer.close()
-            html = _render(self.run_dir)
+            html = render(self.run_dir)
             self.result = RunResult(self.run_dir, error is None, time.monotonic() - started,
                                     self.workers, summary, html, error)
         return self.result
@@ -247,16 +247,7 @@ class ClusterRun:
 
     def _burst(self, event: Event) -> None:
         """A straggler burst goes to each of its workers' control files (`BurstControl`)."""
-        burst = event.straggler_burst
-        assert burst is not None
-        line = json.dumps({
-            "delay": burst.delay.model_dump(exclude_none=True),
-            "steps": burst.steps,
-            "until": time.time() + burst.duration if burst.duration else None,
-        }) + "\n"
-        for rank in burst.workers:
-            with control_path(self.run_dir, rank).open("a") as control:
-                control.write(line)
+        post_burst(self.run_dir, event)
 
     def _follow(self, timeline: Timeline, writer: RunWriter,
                 on_update: Callable[[list[WorkerState]], None]) -> None:
@@ -379,7 +370,7 @@ def _signal_group(process: ForkedWorker, signum: int) -> None:
             os.kill(process.pid, signum)
 
 
-def _render(run_dir: Path) -> Path | None:
+def render(run_dir: Path) -> Path | None:
     """The run's plots and page; a report that cannot be drawn does not fail the run."""
     from testbed.report.page import render_run
 

@@ -107,14 +107,17 @@ class Timeline:
 
     # -- running
 
-    def start(self, *, offset: float = 0.0, thread: bool = True) -> None:
+    def start(self, *, offset: float = 0.0, thread: bool = True,
+              origin: float | None = None) -> None:
         """Training starts now: time zero of every `at`. `offset`: where that zero lies on the run's
         time axis (`RunWriter.now()` at this moment), added to `t` and `scheduled` in the records.
-        `thread=False` starts no scheduler: call `poll()` yourself (tests)."""
+        `origin`: a clock reading that was time zero already (joining a running timeline: what
+        was due by now runs at once). `thread=False` starts no scheduler: call `poll()` yourself
+        (tests)."""
         with self._lock:
             if self._origin is not None:
                 raise RuntimeError("the timeline has started already")
-            self._origin = self.clock()
+            self._origin = self.clock() if origin is None else origin
             self._offset = offset
         if thread:
             self._thread = threading.Thread(target=self._loop, name="fault-timeline", daemon=True)

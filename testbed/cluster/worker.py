@@ -27,6 +27,7 @@ import subprocess
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -268,8 +269,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 class Worker:
-    def __init__(self, spec: WorkerSpec) -> None:
+    """`on_start()` runs when training starts (after the start barrier, or on rejoining) and
+    `before_step(step)` before each step: where a Compose node drives its own fault timeline."""
+
+    def __init__(self, spec: WorkerSpec, *, on_start: Callable[[], None] | None = None,
+                 before_step: Callable[[int], None] | None = None) -> None:
         self.spec = spec
+        self.on_start = on_start or (lambda: None)
+        self.before_step = before_step or (lambda step: None)
 
     def run(self) -> int:
         from testbed import collectives
@@ -338,6 +345,7 @@ class Worker:
             start = 0
             exchange.barrier("start", START_WAIT)
             say(rank=spec.rank, ready=True)
+        self.on_start()
         # Progress is posted only for a worker that may come back to read it (a store round
         # trip per step otherwise spent for nothing).
         rejoinable = any(event.action == "restart" for event in scenario.timeline)
@@ -345,6 +353,7 @@ class Worker:
         every = scenario.metrics.drift_every
         computes: dict[int, float] = {}
         for step in range(start, config.steps):
+            self.before_step(step)
             record = job.step(step, extra_delay=bursts.delay())
             if rejoinable:
                 exchange.report_progress(step)
@@ -394,6 +403,25 @@ class Worker:
 def control_path(run_dir: str | Path, rank: int) -> Path:
     """Where the runner appends worker `rank`'s straggler bursts."""
     return Path(run_dir) / "logs" / f"control-{rank}.jsonl"
+
+
+def post_burst(run_dir: str | Path, event: Any, only: int | None = None) -> None:
+    """A timeline's straggler burst, appended to each of its workers' control files (`only`:
+    to this worker's, if the burst names it) as one line that `BurstControl` reads (a
+    `duration` becomes a wall-clock `until`)."""
+    burst = event.straggler_burst
+    line = json.dumps({
+        "delay": burst.delay.model_dump(exclude_none=True),
+        "steps": burst.steps,
+        "until": time.time() + burst.duration if burst.duration else None,
+    }) + "\n"
+    for rank in burst.workers:
+        if only is not None and rank != only:
+            continue
+        path = control_path(run_dir, rank)
+        path.parent.mkdir(exist_ok=True)
+        with path.open("a") as control:
+            control.write(line)
 
 
 def torch_dtype(job: Any) -> Any:

@@ -1,0 +1,266 @@
+"""A worker in a container of its own (Docker Compose): `testbed node SCENARIO --rank N ...`.
+
+In a namespace run the runner shapes every link on the switch and drives the fault timeline;
+a container has only its own network namespace, so each node does its part of both:
+
+- It shapes the links *into* it, on its own interface's ingress (redirected to an ifb), one
+  rule per source peer (`IngressLinks`, a `Network` for the timeline): what a link carries is
+  decided where the packets arrive, as in the namespace runs.
+- It runs the whole fault timeline itself (`Timeline`), acting on its incoming links, its own
+  straggler bursts, and its own preemption: a `kill` naming it ends the process with SIGKILL,
+  and the Compose restart policy (`on-failure`, set for the workers the timeline restarts)
+  brings the container back; it then waits for the `restart` event to be due and rejoins.
+  `at` times count from the run's origin, posted in the run's store by the first worker to
+  start training; `step` events fire before the node's own step.
+- Worker 0 serves the run's store (so the generator refuses a scenario that preempts it),
+  creates the run directory (`/runs/<scenario>-<UTC time>`, named in the store for the others),
+  writes the timeline's records, and, once every worker ended, the summary and the report.
+
+Everything else is the namespace worker's (`testbed.cluster.worker.Worker`).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import sys
+import time
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import netem
+from netem.profile import LinkProfile
+from testbed.cluster.timeline import Pair, Timeline
+from testbed.cluster.worker import PORTS, Worker, WorkerSpec, post_burst, serve_run_store
+from testbed.scenario.model import Event, Scenario
+
+CUT = LinkProfile(loss=1.0)
+STORE_WAIT = 300.0  # seconds a node waits for worker 0's store and run directory
+END_WAIT = 600.0  # seconds worker 0 waits for the others' ends before writing the summary
+POLL = 0.2  # seconds between looks at the store while waiting for a restart to be due
+RUN_KEY, ORIGIN_KEY, ID_KEY = "compose/run", "compose/origin", "compose/run_id"
+
+
+class IngressLinks:
+    """The links into worker `rank`, shaped on `iface`'s ingress, per source address. Holds
+    every link's profile (the timeline reads any), changes the kernel only for links into this
+    worker. A `Network` for `Timeline`."""
+
+    def __init__(self, scenario: Scenario, rank: int, hosts: list[str], iface: str,
+                 backend: str = "auto") -> None:
+        self.count, self.rank, self.hosts, self.iface = scenario.count, rank, hosts, iface
+        self.groups = {name: list(members) for name, members in scenario.topology.groups.items()}
+        self.backend = backend
+        self._profiles: dict[Pair, LinkProfile] = dict(scenario.links())
+        self._cut: set[Pair] = set()
+        self._started = False  # until `start`, changes are only remembered
+
+    def rules(self) -> dict[str | None, LinkProfile]:
+        """What each peer's packets get on the way in; anyone else passes untouched."""
+        rules: dict[str | None, LinkProfile] = {None: LinkProfile()}
+        for src in range(self.count):
+            if src != self.rank:
+                pair = (src, self.rank)
+                rules[self.hosts[src]] = CUT if pair in self._cut else self._profiles[pair]
+        return rules
+
+    def start(self) -> float:
+        begun = time.perf_counter()
+        netem.apply(self.iface, self.rules(), direction="ingress", backend=self.backend)  # type: ignore[arg-type]
+        self._started = True
+        return time.perf_counter() - begun
+
+    def close(self) -> None:
+        if self._started:
+            netem.clear(self.iface)
+            self._started = False
+
+    def current(self, src: int, dst: int) -> LinkProfile:
+        return self._profiles[(src, dst)]
+
+    def set_links(self, changes: Mapping[Pair, LinkProfile]) -> float:
+        self._profiles.update(changes)
+        return self._reshape(changes)
+
+    def partition(self, pairs: Iterable[Pair]) -> float:
+        pairs = set(pairs)
+        self._cut |= pairs
+        return self._reshape(pairs)
+
+    def heal(self, pairs: Iterable[Pair] | None = None) -> float:
+        healed = set(self._cut) if pairs is None else set(pairs) & self._cut
+        self._cut -= healed
+        return self._reshape(healed)
+
+    def _reshape(self, touched: Iterable[Pair]) -> float:
+        if not self._started or all(dst != self.rank for _, dst in touched):
+            return 0.0
+        begun = time.perf_counter()
+        netem.change(self.iface, self.rules(), direction="ingress", backend=self.backend)  # type: ignore[arg-type]
+        return time.perf_counter() - begun
+
+
+def preempting(scenario: Scenario) -> dict[int, list[Event]]:
+    """Worker -> the timeline's kill and restart events naming it, in timeline order."""
+    found: dict[int, list[Event]] = {}
+    for event in scenario.timeline:
+        for rank in (event.kill or event.restart or ()) if event.action in ("kill", "restart") \
+                else ():
+            found.setdefault(rank, []).append(event)
+    return found
+
+
+class Node:
+    """Worker `rank` of a Compose run: see the module's docstring."""
+
+    def __init__(self, scenario_path: Path, rank: int, hosts: list[str], runs: Path, *,
+                 iface: str = "eth0", steps: int | None = None, backend: str = "auto") -> None:
+        from testbed.scenario import load_scenario
+
+        self.scenario_path, self.rank, self.hosts, self.runs = scenario_path, rank, hosts, runs
+        self.scenario = load_scenario(scenario_path, steps=steps)
+        self.steps = steps
+        if len(hosts) != self.scenario.count:
+            raise ValueError(f"--hosts: the scenario has {self.scenario.count} workers, "
+                             f"got {len(hosts)} addresses")
+        self.links = IngressLinks(self.scenario, rank, hosts, iface, backend)
+        self._store: Any = None
+        self._client: Any = None
+        self._writer: Any = None
+        self._timeline: Timeline | None = None
+        self.run_dir = runs
+
+    def run(self) -> int:
+        from torch.distributed import TCPStore
+
+        if self.rank == 0:
+            self._store = serve_run_store("0.0.0.0", PORTS["drift"])
+        self._client = TCPStore(self.hosts[0], PORTS["drift"], is_master=False,
+                                timeout=datetime.timedelta(seconds=STORE_WAIT))
+        rejoin = self._client.check([f"start/{self.rank}"])
+        run_dir = self.run_dir = self._run_dir()
+        self.links.start()
+        try:
+            spec = WorkerSpec(scenario=str(self.scenario_path), rank=self.rank,
+                              world=self.scenario.count, hosts=self.hosts, run_dir=str(run_dir),
+                              run_id=int(self._client.get(ID_KEY)), steps=self.steps,
+                              rejoin=rejoin)
+            if rejoin:
+                self._wait_for_restart()
+            code = Worker(spec, on_start=self._start_timeline,
+                          before_step=self._before_step).run()
+            if self.rank == 0:
+                self._finish(run_dir, code)
+            return code
+        finally:
+            if self._timeline is not None:
+                self._timeline.stop()
+            self.links.close()
+
+    # -- the run directory and its records
+
+    def _run_dir(self) -> Path:
+        from testbed.report import RunWriter
+
+        if self.rank == 0 and not self._client.check([RUN_KEY]):
+            stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d-%H%M%S")
+            run_dir = self.runs / f"{self.scenario.name}-{stamp}"
+            self._writer = RunWriter.create(run_dir, scenario=self.scenario_path.read_text(),
+                                            name=self.scenario.name, compose=True)
+            self._writer.event("cluster", hosts=self.hosts, backend=self.links.backend,
+                               compose=True)
+            self._client.set(ID_KEY, str(int.from_bytes(os.urandom(4), "big")))
+            self._client.set(RUN_KEY, run_dir.name)
+            return run_dir
+        run_dir = self.runs / self._client.get(RUN_KEY).decode()
+        if self.rank == 0:
+            self._writer = RunWriter.open(run_dir)
+        return run_dir
+
+    def _finish(self, run_dir: Path, code: int) -> None:
+        """Worker 0, at its end: wait for every worker's end, then the summary and report."""
+        from testbed.cluster.runner import render
+        from testbed.report import load_run
+
+        deadline = time.monotonic() + END_WAIT
+        while time.monotonic() < deadline:
+            ended = {e.rank for e in load_run(run_dir).ends if e.rank is not None}
+            if ended >= set(range(self.scenario.count)) - self._never_back():
+                break
+            time.sleep(POLL)  # polling other containers' files: no event to wait on
+        self._writer.finish(success=None if code == 0 else False)
+        render(run_dir)
+
+    def _never_back(self) -> set[int]:
+        """Workers killed by the timeline and not restarted: they write no end."""
+        return {rank for rank, events in preempting(self.scenario).items()
+                if events[-1].action == "kill"}
+
+    # -- the timeline
+
+    def _start_timeline(self) -> None:
+        """Training starts: the timeline's zero is the run's origin (the first to get here
+        posts it; a rejoining node joins a timeline that is running already)."""
+        self._client.compare_set(ORIGIN_KEY, "", repr(time.time()))
+        origin = float(self._client.get(ORIGIN_KEY))
+        own = preempting(self.scenario).get(self.rank, [])
+        passed = time.time() - origin
+        events = [event for event in self.scenario.timeline
+                  if not (event.action in ("kill", "restart") and event in own
+                          and self._is_past(event, passed))]
+        record = self._writer.fault if self._writer is not None else (lambda **_: None)
+        self._timeline = Timeline(events, self.links, lambda fields: record(**fields),
+                                  clock=time.time, on_kill=self._kill,
+                                  on_straggler_burst=self._burst)
+        self._timeline.start(origin=origin)
+
+    def _is_past(self, event: Event, passed: float) -> bool:
+        if event.at is not None:
+            return event.at <= passed
+        return event.step is not None and event.step <= self._progress()
+
+    def _progress(self) -> int:
+        keys = [f"progress/{rank}" for rank in range(self.scenario.count) if rank != self.rank]
+        return max((int(self._client.get(key)) for key in keys if self._client.check([key])),
+                   default=-1)
+
+    def _before_step(self, step: int) -> None:
+        if self._timeline is not None:
+            self._timeline.on_step(step)
+
+    def _kill(self, ranks: list[int]) -> None:
+        if self.rank in ranks:  # a preempted machine: gone at once, no clean-up
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def _burst(self, event: Event) -> None:
+        post_burst(self.run_dir, event, only=self.rank)
+
+    def _wait_for_restart(self) -> None:
+        """A restarted container: back when the timeline's restart of this worker is due."""
+        restarts = [e for e in preempting(self.scenario).get(self.rank, [])
+                    if e.action == "restart"]
+        deadline = time.monotonic() + STORE_WAIT
+        while restarts and time.monotonic() < deadline:
+            origin = float(self._client.get(ORIGIN_KEY) or 0)
+            if any(self._is_past(event, time.time() - origin) for event in restarts):
+                return
+            time.sleep(POLL)  # the others' progress lives in the store: no event to wait on
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="testbed node", description=__doc__.splitlines()[0])
+    parser.add_argument("scenario", type=Path)
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--hosts", required=True, help="every worker's address, by rank")
+    parser.add_argument("--runs", type=Path, default=Path("/runs"))
+    parser.add_argument("--steps", type=int)
+    parser.add_argument("--iface", default="eth0")
+    args = parser.parse_args(argv)
+    node = Node(args.scenario, args.rank, args.hosts.split(","), args.runs, iface=args.iface,
+                steps=args.steps)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    return node.run()

@@ -1,0 +1,88 @@
+"""The compose tier: a Docker Engine (Debian's docker.io, started here when none runs, with its
+state in a temporary directory that goes with it), the images (scripts/compose-images.sh), and
+a check that a Compose project leaves no container or network behind."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+ENGINE_WAIT = 60.0  # seconds for dockerd to answer
+PACKAGES = ("docker.io", "debootstrap")
+
+
+def _engine_up() -> bool:
+    return subprocess.run(["docker", "info"], capture_output=True).returncode == 0
+
+
+def _install() -> None:
+    missing = [p for p in PACKAGES if subprocess.run(
+        ["dpkg-query", "-W", "-f=${Status}", p], capture_output=True, text=True
+    ).stdout != "install ok installed"]
+    if missing:
+        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+        subprocess.run(["apt-get", "install", "-y", "-qq", "--no-install-recommends", *missing],
+                       check=True, env=env, capture_output=True)
+
+
+def _leftovers_of_dockerd() -> None:
+    """What a stopped dockerd leaves: its bridge and its iptables chains."""
+    subprocess.run(["ip", "link", "del", "docker0"], capture_output=True)
+    for table, chains in (("nat", ("DOCKER",)), ("filter", (
+            "DOCKER-USER", "DOCKER-ISOLATION-STAGE-1", "DOCKER-ISOLATION-STAGE-2", "DOCKER"))):
+        for chain in chains:
+            for hook in ("PREROUTING", "OUTPUT", "FORWARD"):
+                while subprocess.run(["iptables", "-t", table, "-D", hook, "-j", chain],
+                                     capture_output=True).returncode == 0:
+                    pass
+        for chain in chains:
+            subprocess.run(["iptables", "-t", table, "-F", chain], capture_output=True)
+            subprocess.run(["iptables", "-t", table, "-X", chain], capture_output=True)
+
+
+@pytest.fixture(scope="session")
+def docker_engine() -> Iterator[None]:
+    """A running Docker Engine with the testbed's images. One started here is stopped after
+    the session, its state removed; one that was running is left as it was."""
+    if os.geteuid() != 0:
+        pytest.fail("the compose tier needs root (to start Docker Engine)")
+    _install()
+    process = state = None
+    if not _engine_up():
+        state = Path(tempfile.mkdtemp(prefix="testbed-dockerd-"))
+        log = (state / "dockerd.log").open("w")
+        process = subprocess.Popen(
+            ["dockerd", "--data-root", str(state / "data"), "--exec-root", str(state / "exec"),
+             "--pidfile", str(state / "dockerd.pid")],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + ENGINE_WAIT
+        while not _engine_up():
+            if process.poll() is not None or time.monotonic() > deadline:
+                process.kill()
+                pytest.fail(f"dockerd did not start within {ENGINE_WAIT:g} s: "
+                            f"{(state / 'dockerd.log').read_text()[-2000:]}")
+            time.sleep(0.2)  # dockerd offers nothing to wait on but its socket
+    try:
+        built = subprocess.run([str(ROOT / "scripts" / "compose-images.sh")], cwd=ROOT,
+                               capture_output=True, text=True)
+        assert built.returncode == 0, f"building the images failed:\n{built.stderr[-4000:]}"
+        yield
+    finally:
+        if process is not None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+            _leftovers_of_dockerd()
+            shutil.rmtree(state, ignore_errors=True)

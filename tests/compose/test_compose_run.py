@@ -1,0 +1,149 @@
+"""`docker compose up` of a generated project, for real: three workers in containers shaping
+their own ingress (the fallback here: loss and rate), the timeline's link change applied by
+the receiving container, a preempted worker brought back by the restart policy, Prometheus
+scraping them; its HTTP API is queried while the run is live; `down` leaves no container or
+network of the project."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from testbed.compose import PROMETHEUS_PORT, write_project
+
+pytestmark = pytest.mark.compose
+
+SCENARIO = """\
+name: compose-tier
+seed: 3
+workers:
+  count: 3
+  overrides:
+    - {worker: 2, straggler: {fixed: 20ms}}
+topology:
+  default: {loss: 1%, rate: 100mbit}
+job: {model: mlp, steps: 200, batch: 32}
+collective: {kind: lossy, deadline_initial: 0.2}
+metrics: {drift_every: 5, linger: 20}
+timeline:
+  - {step: 10, set_link: {link: {src: 0, dst: 1}, profile: {loss: 40%}}}
+  - {step: 80, kill: [2]}
+  - {step: 110, restart: [2]}
+"""
+LIVE_WAIT = 240.0  # seconds for the containers to start training and Prometheus to see it
+SERVICES = ["worker-0", "worker-1", "worker-2", "prometheus"]
+
+
+def _compose(project: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PROMETHEUS_IMAGE": "testbed-prometheus:latest"}
+    result = subprocess.run(["docker", "compose", "-f", str(project), *args],
+                            capture_output=True, text=True, env=env)
+    if check and result.returncode != 0:
+        raise AssertionError(f"docker compose {' '.join(args)}: {result.stderr[-3000:]}")
+    return result
+
+
+def _query(expr: str) -> dict[str, float]:
+    """An instant PromQL query: {labels as 'k=v,...': value}."""
+    url = (f"http://127.0.0.1:{PROMETHEUS_PORT}/api/v1/query?"
+           + urllib.parse.urlencode({"query": expr}))
+    with urllib.request.urlopen(url, timeout=5) as response:
+        body = json.load(response)
+    assert body["status"] == "success", body
+    return {",".join(f"{k}={v}" for k, v in sorted(item["metric"].items())
+                     if k not in ("__name__", "instance", "job")): float(item["value"][1])
+            for item in body["data"]["result"]}
+
+
+def _wait_for(what: str, check, timeout: float = LIVE_WAIT):
+    deadline = time.monotonic() + timeout
+    last: object = None
+    while time.monotonic() < deadline:
+        try:
+            last = check()
+        except OSError as error:  # Prometheus not listening yet
+            last = error
+        else:
+            if last:
+                return last
+        time.sleep(1.0)  # Prometheus scrapes every 2 s: nothing to wait on but its API
+    raise AssertionError(f"{what}: not within {timeout:g} s (last: {last!r})")
+
+
+def test_a_compose_run_is_shaped_scraped_live_and_leaves_nothing(docker_engine, tmp_path):
+    scenario = tmp_path / "scenario.yaml"
+    scenario.write_text(SCENARIO)
+    project = write_project(scenario, tmp_path / "project")
+    name = "testbed-compose-tier"
+    try:
+        _compose(project, "up", "-d", *SERVICES)
+        steps = _wait_for("every worker past step 40 in Prometheus", lambda: (
+            found if len(found := _query("testbed_step > 40")) == 3 else None))
+        assert {key.split("rank=")[1].split(",")[0] for key in steps} == {"0", "1", "2"}
+
+        # The link 0->1 was set to 40% loss at step 20, in worker 1's container only.
+        lost = _query("sum by (rank, peer) (testbed_datagrams_lost_total)")
+        into_1 = lost.get("peer=0,rank=1", 0.0)
+        others = {key: value for key, value in lost.items() if key != "peer=0,rank=1"}
+        assert into_1 > 20, lost
+        assert into_1 > 3 * max(others.values(), default=0.0), lost
+        profile = _query('testbed_link_profile_info{rank="1"}')
+        assert profile, "worker 1 exports no link profile"
+
+        drift = _wait_for("a drift measurement on every worker", lambda: (
+            found if len(found := _query("testbed_parameter_drift_ratio")) == 3 else None))
+        assert all(0.0 <= value < 1.0 for value in drift.values()), drift
+        assert max(drift.values()) > 0.0, "a lossy all-reduce at 40% loss left no drift"
+
+        # Worker 2 computes 20 ms longer per step: the others wait for it.
+        waits = _query("rate(testbed_straggler_wait_seconds_sum[1m]) "
+                       "/ rate(testbed_straggler_wait_seconds_count[1m])")
+        by_rank = {key.split("rank=")[1].split(",")[0]: value for key, value in waits.items()}
+        assert by_rank["0"] > 0.010 and by_rank["1"] > 0.010, waits
+        assert by_rank["2"] < by_rank["0"], waits
+
+        retransmits = _query("testbed_netns_tcp_retransmitted_segments_total")
+        assert len(retransmits) == 3 and all(v >= 0 for v in retransmits.values()), retransmits
+
+        _wait_for("every worker to end", lambda: all(
+            line.split()[1] == "exited" for line in _compose(
+                project, "ps", "-a", "--format", "{{.Service}} {{.State}}"
+            ).stdout.split("\n") if line.startswith("worker")), timeout=600)
+        codes = _compose(project, "ps", "-a", "--format", "{{.Service}} {{.ExitCode}}").stdout
+        assert all(line.split()[1] == "0" for line in codes.splitlines()
+                   if line.startswith("worker")), codes
+        # Worker 2 was preempted at step 80 (SIGKILL: its container exited 137), brought back
+        # by the restart policy, and rejoined once the others had passed step 110.
+        restarts = subprocess.run(
+            ["docker", "inspect", "-f", "{{.RestartCount}}", f"{name}-worker-2-1"],
+            capture_output=True, text=True).stdout.strip()
+        assert restarts == "1", restarts
+        runs = list((project.parent / "runs").iterdir())
+        assert len(runs) == 1, runs
+        summary = json.loads((runs[0] / "summary.json").read_text())
+        assert summary["success"] is True, summary
+        assert (runs[0] / "index.html").exists()
+        events = [json.loads(line) for line in
+                  (runs[0] / "events-rank2.jsonl").read_text().splitlines()]
+        rejoin = [e for e in events if e["type"] == "rejoin"]
+        assert len(rejoin) == 1 and rejoin[0]["step"] >= 110, rejoin
+        ran = [e["step"] for e in events if e["type"] == "step"]
+        assert max(ran) == 199 and not [s for s in ran if 80 <= s < 110], ran
+    finally:
+        logs = _compose(project, "logs", "--tail", "20", check=False).stdout
+        _compose(project, "down", "-v", "--remove-orphans", "-t", "2", check=False)
+        left = subprocess.run(
+            ["docker", "ps", "-aq", "--filter", f"label=com.docker.compose.project={name}"],
+            capture_output=True, text=True).stdout.split()
+        networks = subprocess.run(
+            ["docker", "network", "ls", "-q", "--filter",
+             f"label=com.docker.compose.project={name}"],
+            capture_output=True, text=True).stdout.split()
+    assert not left and not networks, (left, networks, logs)
