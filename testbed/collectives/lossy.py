@@ -185,6 +185,11 @@ class Lossy:
                              f"{tuple(parameters.shape)} and {tuple(gradient.shape)}")
         return self._exchange(gradient.detach(), parameters.detach(), step, update)
 
+    @property
+    def mesh(self) -> StreamMesh | None:
+        """The TCP streams to the peers (their counters reach the worker's metrics)."""
+        return self._mesh
+
     def close(self) -> None:
         if self._sender is not None:
             self._sender.shutdown(wait=True)

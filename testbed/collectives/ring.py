@@ -109,6 +109,11 @@ class Ring:
             sum(c.tcp_retransmits for c in counters),
         )
 
+    @property
+    def mesh(self) -> StreamMesh | None:
+        """The TCP streams to the peers (their counters reach the worker's metrics)."""
+        return self._mesh
+
     def close(self) -> None:
         self._sender.shutdown(wait=True)
         self._mesh.close()
