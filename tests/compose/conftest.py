@@ -18,6 +18,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE_WAIT = 60.0  # seconds for dockerd to answer
 PACKAGES = ("docker.io", "debootstrap")
+FORWARDING = "/proc/sys/net/ipv4/ip_forward"
 
 
 def _engine_up() -> bool:
@@ -35,18 +36,34 @@ def _install() -> None:
 
 
 def _leftovers_of_dockerd() -> None:
-    """What a stopped dockerd leaves: its bridge and its iptables chains."""
+    """What a stopped dockerd leaves: its bridge, its iptables rules and chains (DOCKER*)."""
     subprocess.run(["ip", "link", "del", "docker0"], capture_output=True)
-    for table, chains in (("nat", ("DOCKER",)), ("filter", (
-            "DOCKER-USER", "DOCKER-ISOLATION-STAGE-1", "DOCKER-ISOLATION-STAGE-2", "DOCKER"))):
-        for chain in chains:
-            for hook in ("PREROUTING", "OUTPUT", "FORWARD"):
-                while subprocess.run(["iptables", "-t", table, "-D", hook, "-j", chain],
-                                     capture_output=True).returncode == 0:
-                    pass
-        for chain in chains:
-            subprocess.run(["iptables", "-t", table, "-F", chain], capture_output=True)
-            subprocess.run(["iptables", "-t", table, "-X", chain], capture_output=True)
+    for table in ("nat", "filter"):
+        rules = subprocess.run(["iptables", "-t", table, "-S"], capture_output=True,
+                               text=True).stdout.splitlines()
+        for rule in rules:
+            words = rule.split()
+            if words[0] == "-A" and any("DOCKER" in w or w == "docker0" for w in words[2:]):
+                subprocess.run(["iptables", "-t", table, "-D", *words[1:]], capture_output=True)
+        chains = [rule.split()[1] for rule in rules
+                  if rule.startswith("-N ") and rule.split()[1].startswith("DOCKER")]
+        for flag in ("-F", "-X"):
+            for chain in chains:
+                subprocess.run(["iptables", "-t", table, flag, chain], capture_output=True)
+
+
+def _host_settings() -> tuple[str, str]:
+    """What dockerd changes on the host: the FORWARD policy and IPv4 forwarding."""
+    forward = subprocess.run(["iptables", "-S", "FORWARD"], capture_output=True,
+                             text=True).stdout.split("\n")[0].split()
+    policy = forward[2] if len(forward) == 3 and forward[0] == "-P" else "ACCEPT"
+    return policy, Path(FORWARDING).read_text().strip()
+
+
+def _restore_host_settings(settings: tuple[str, str]) -> None:
+    policy, forwarding = settings
+    subprocess.run(["iptables", "-P", "FORWARD", policy], capture_output=True)
+    Path(FORWARDING).write_text(forwarding + "\n")
 
 
 @pytest.fixture(scope="session")
@@ -57,6 +74,7 @@ def docker_engine() -> Iterator[None]:
         pytest.fail("the compose tier needs root (to start Docker Engine)")
     _install()
     process = state = None
+    host = _host_settings()
     if not _engine_up():
         state = Path(tempfile.mkdtemp(prefix="testbed-dockerd-"))
         log = (state / "dockerd.log").open("w")
@@ -85,4 +103,5 @@ def docker_engine() -> Iterator[None]:
                 process.kill()
                 process.wait()
             _leftovers_of_dockerd()
+            _restore_host_settings(host)
             shutil.rmtree(state, ignore_errors=True)
