@@ -303,6 +303,14 @@ class Worker:
             collective = collectives.create(kind, spec.rank, spec.world,
                                             **scenario.collective.options(),
                                             **placement(kind, spec, scenario))
+            compressor = scenario.collective.compressor
+            if compressor.kind != "none":  # a layer over it (docs/compression.md)
+                from testbed.collectives.compression import wrap
+
+                # Strategy gradient's payload ends with its micro-batch count: kept exact.
+                tail = 1 if scenario.job.strategy == "gradient" else 0
+                collective = wrap(collective, compressor.kind, dense_tail=tail,
+                                  **compressor.parameters())
             evaluation = self._train(scenario, collective, writer, metrics, PeerExchange(spec))
             say(rank=spec.rank, done=True, evaluation=evaluation,
                  seconds=time.monotonic() - started)
@@ -335,6 +343,8 @@ class Worker:
         spec, config = self.spec, scenario.train_config(self.spec.rank)
         job = Job(config, collective, spec.rank, spec.world,
                   slowdown=scenario.slowdown(spec.rank))
+        if hasattr(collective, "set_shapes"):  # a compressor that works per weight matrix
+            collective.set_shapes([tuple(p.shape) for p in job.parameters])
         if spec.rejoin:  # where the others are, with their parameters if the collective can
             start = exchange.progress() + 1
             state = collective.pull_state() if hasattr(collective, "pull_state") else None

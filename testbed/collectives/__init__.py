@@ -2,6 +2,8 @@
 
 `create(kind, rank, world, **options)` builds any of them by name (as a scenario names them);
 each keeps the contract in `base.py`, and `hook.comm_hook` lends any of them to a user's DDP model.
+`compress(collective, kind, **parameters)` lays a compressor over any of them (`compression/`,
+docs/compression.md), keeping the same contract.
 """
 
 from __future__ import annotations
@@ -56,7 +58,15 @@ def create(kind: str, rank: int, world: int, **given: object) -> Collective:
     return constructor(kind)(rank, world, **given)
 
 
+def compress(collective: Collective, kind: str, **parameters: object) -> Collective:
+    """`collective` with compressor `kind` (none, topk, randk, arc_topk, int8, int4, powersgd)
+    over it: `testbed.collectives.compression.wrap` (imported on first use)."""
+    from testbed.collectives.compression import wrap
+
+    return wrap(collective, kind, **parameters)
+
+
 __all__ = [
-    "KINDS", "PLACEMENT_OPTIONS", "AllReduceStats", "Collective", "constructor", "create",
-    "options",
+    "KINDS", "PLACEMENT_OPTIONS", "AllReduceStats", "Collective", "compress", "constructor",
+    "create", "options",
 ]

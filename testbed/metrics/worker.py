@@ -62,7 +62,8 @@ DIRECTIONS = ("in", "out")
 _EXTRA_HANDLED = frozenset({
     "deadline_seconds", "broadcast_deadline_seconds", "shard_coverage", "broadcast_received",
     "chunks_missing", "resync", "rounds", "rounds_incomplete", "tcp_retransmits",
-    "datagrams_lost", "datagrams_late", "rcvbuf_drops",
+    "datagrams_lost", "datagrams_late", "rcvbuf_drops", "compression_ratio",
+    "compressed_bytes", "compression_error", "feedback_residual",
 })
 
 
@@ -175,6 +176,19 @@ class WorkerMetrics:
         self.collective_retransmits = c(
             "collective_tcp_retransmitted_segments", "TCP segments retransmitted by the "
             "collective's own sockets (TCP_INFO; ring)", "collective")
+        # Compression (a compressor over the collective, docs/compression.md).
+        self.compression_ratio = g("compression_ratio", "Payload bytes of this worker's "
+                                   "compressed contribution over its fp32 bytes, last call "
+                                   "(1: uncompressed)", "collective")
+        self.compressed_bytes = c("compressed_bytes", "Payload bytes of this worker's "
+                                  "compressed contributions (values, indices, scales, sketches; "
+                                  "before framing: collective_sent_bytes counts the wire)",
+                                  "collective")
+        self.compression_error = g("compression_error_ratio", "Relative error of the last "
+                                   "compression, ||C(x) - x|| / ||x|| of what this worker "
+                                   "compressed", "collective")
+        self.feedback_residual = g("compression_feedback_residual", "What EF21M error feedback "
+                                   "holds back, ||v - g|| (gradient units)", "collective")
         self.figure = g("collective_figure", "Last value of another figure the collective "
                         "reports (AllReduceStats.extra)", "collective", "figure")
         # Transport, per peer (cumulative counters fed by observe_counters).
@@ -340,6 +354,12 @@ class WorkerMetrics:
             self.rounds_incomplete.labels(rank, name).inc(extra["rounds_incomplete"])
         if "tcp_retransmits" in extra:  # cumulative since the collective's sockets opened
             self._advance(self.collective_retransmits, (name,), extra["tcp_retransmits"])
+        if "compression_ratio" in extra:
+            self.compression_ratio.labels(rank, name).set(extra["compression_ratio"])
+            self.compressed_bytes.labels(rank, name).inc(max(0.0, extra["compressed_bytes"]))
+            self.compression_error.labels(rank, name).set(extra["compression_error"])
+        if "feedback_residual" in extra:
+            self.feedback_residual.labels(rank, name).set(extra["feedback_residual"])
         for key, value in extra.items():
             if key not in _EXTRA_HANDLED:
                 self.figure.labels(rank, name, key).set(value)

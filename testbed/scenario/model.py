@@ -30,6 +30,8 @@ from pydantic.json_schema import GenerateJsonSchema
 from netem.profile import BitsPerSecond, Fraction, LinkProfile, ProfileError, Seconds
 from netem.units import FRACTION_HELP, RATE_HELP, TIME_HELP
 from testbed import collectives
+from testbed.collectives.compression.compressed import KINDS as COMPRESSOR_KINDS
+from testbed.collectives.compression.compressed import PARAMETERS as COMPRESSOR_PARAMETERS
 from testbed.metrics.drift import DEFAULT_K
 from testbed.train.config import TrainConfig, _threshold
 from testbed.train.stragglers import StragglerSpec
@@ -258,13 +260,59 @@ class Workers(_Model):
 # --- collective ---------------------------------------------------------------------------------
 
 
+COMPRESSOR_NEEDS_EXCHANGE = ("topk", "arc_topk", "int8", "int4")
+CompressorKind = Literal["none", "topk", "randk", "arc_topk", "int8", "int4", "powersgd"]
+assert get_args(CompressorKind) == COMPRESSOR_KINDS
+
+
+class Compressor(_Model):
+    """A compression layer over the collective (docs/compression.md): the sparsifiers topk,
+    randk and arc_topk (with EF21M error feedback), the quantizers int8 and int4 (group-wise,
+    two-step all-reduce), or powersgd. Each kind takes only its own parameters."""
+
+    kind: CompressorKind = Field(default="none", description="none, topk, randk, arc_topk, "
+                                 "int8, int4 or powersgd.")
+    density: float = Field(default=0.01, gt=0, le=1, description="Fraction of the values a "
+                           "sparsifier sends (arc_topk: of the blocks).")
+    block: int = Field(default=64, ge=1, description="arc_topk: coordinates per block of the "
+                       "sketch (one squared norm per block).")
+    group_size: int = Field(default=128, ge=2, le=65536, multiple_of=2, description="int8/int4: "
+                            "values per scale (32-256 usual).")
+    symmetric: bool = Field(default=True, description="int8/int4: symmetric (scale) or "
+                            "asymmetric (scale and minimum) per group.")
+    stochastic: bool = Field(default=False, description="int8/int4: stochastic rounding "
+                             "(unbiased) instead of nearest.")
+    error_feedback: bool = Field(default=True, description="Sparsifiers: EF21M; powersgd: its "
+                                 "error memory.")
+    momentum: float = Field(default=1.0, gt=0, le=1, description="EF21M's eta (1: EF21; the "
+                            "job's optimizer keeps its own momentum).")
+    resync_every: int = Field(default=0, ge=0, description="Sparsifiers: every N calls, set the "
+                              "shared EF21M estimate to the exact mean (0: never).")
+    rank: int = Field(default=2, ge=1, description="powersgd: rank of the approximation.")
+    seed: int = Field(default=0, ge=0, description="randk: the shared seed; int8/int4: "
+                      "stochastic rounding; powersgd: the first Q.")
+
+    @model_validator(mode="after")
+    def _own_parameters(self) -> Compressor:
+        allowed = COMPRESSOR_PARAMETERS[self.kind]
+        for name in sorted(self.model_fields_set - {"kind"}):
+            if name not in allowed:
+                raise ValueError(f"{name}: not a parameter of {self.kind}; allowed: "
+                                 f"{', '.join(allowed) or 'none'}")
+        return self
+
+    def parameters(self) -> dict[str, Any]:
+        """The parameters given, for `testbed.collectives.compression.wrap(inner, kind, ...)`."""
+        return self.model_dump(exclude={"kind"}, exclude_unset=True)
+
+
 class _Collective(_Model):
-    kind: str
+    kind: str  # and, after the kind's own options, `compressor: Compressor`
 
     def options(self) -> dict[str, Any]:
         """The options given, for `testbed.collectives.create(kind, rank, world, **options,
         **placement)`; the cluster adds the placement ones (`PLACEMENT_OPTIONS`)."""
-        return self.model_dump(exclude={"kind"}, exclude_unset=True)
+        return self.model_dump(exclude={"kind", "compressor"}, exclude_unset=True)
 
 
 def _collective_model(kind: str) -> type[_Collective]:
@@ -275,6 +323,8 @@ def _collective_model(kind: str) -> type[_Collective]:
         if name not in collectives.PLACEMENT_OPTIONS:
             default = ... if parameter.default is parameter.empty else parameter.default
             fields[name] = (hints[name], default)
+    fields["compressor"] = (Compressor, Field(default=Compressor(), description="Compression "
+                            "over the collective (kind none: off); docs/compression.md."))
     model = create_model(f"{kind.capitalize()}Collective", __base__=_Collective, **fields)
     model.__doc__ = f"Collective {kind!r}: the options of {constructor.__qualname__}."
     return model
@@ -490,6 +540,15 @@ class Scenario(_Model):
             owners = [k for k in collectives.KINDS if hasattr(collectives.constructor(k), "step")]
             problems.append((("job", "strategy"), f"sharded needs a collective that owns the "
                              f"update (step()): {', '.join(owners)}; got {self.collective.kind}"))
+        compressor = self.collective.compressor.kind
+        if compressor != "none" and self.job.strategy == "sharded":
+            problems.append((("collective", "compressor", "kind"), f"{compressor} compresses "
+                             "all-reduce calls; strategy sharded uses the collective's step(): "
+                             "use strategy gradient or average, or kind none"))
+        if self.collective.kind == "moshpit" and compressor in COMPRESSOR_NEEDS_EXCHANGE:
+            problems.append((("collective", "compressor", "kind"), f"{compressor} needs a "
+                             "collective with a reliable neighbour exchange (ring, lossy, "
+                             "gloo); over moshpit use randk, powersgd or none"))
         if "seed" in self.job.model_fields_set:
             problems.append((("job", "seed"), "set seed at the top level of the scenario"))
         if problems:
@@ -675,10 +734,12 @@ class Scenario(_Model):
         if self.topology.links:
             network.append(f"{len(self.topology.links)} link override(s)")
         actions = sorted({event.action for event in self.timeline})
+        compressor = self.collective.compressor.kind
+        compression = "" if compressor == "none" else f"+{compressor}"
         return (
             f"{self.name}: {self.count} workers; {'; '.join(network)}; "
             f"{self.topology.congestion}; job {self.job.model} x {self.job.steps} steps; "
-            f"collective {self.collective.kind}; "
+            f"collective {self.collective.kind}{compression}; "
             f"{len(self.timeline)} event(s){' (' + ', '.join(actions) + ')' if actions else ''}"
         )
 

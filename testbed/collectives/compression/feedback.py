@@ -1,0 +1,68 @@
+"""EF21M: error feedback with momentum (Fatkhullin, Tyurin and Richtarik, "Momentum Provably
+Improves Error Feedback!", 2023), which keeps what a sparsifier did not send.
+
+Worker i keeps a momentum v_i and an estimate g_i of it; every worker keeps the shared
+estimate g (the mean of the g_i). Each step, with gradient d_i and a compressor C:
+
+    v_i <- (1 - eta) v_i + eta d_i
+    c_i  = C(v_i - g_i)          (only c_i travels)
+    g_i <- g_i + c_i
+    g   <- g + mean_i c_i        (the all-reduced quantity)
+
+and g is what the workers step on. With eta = 1 this is EF21. `residual` ||v_i - g_i|| is
+what is held back: with a contractive C (Top-K, Rand-K, ARC-Top-K keep at least a fraction
+of v - g) it stays bounded as long as the gradients do (tests/unit/test_compression.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class EF21M:
+    """One worker's EF21M state for flat vectors of one length (set on the first call)."""
+
+    def __init__(self, momentum: float = 1.0) -> None:
+        if not 0 < momentum <= 1:
+            raise ValueError(f"momentum: expected 0 < eta <= 1 (1: EF21), got {momentum}")
+        self.eta = momentum
+        self.v: torch.Tensor | None = None
+        self.own: torch.Tensor | None = None  # g_i
+        self.shared: torch.Tensor | None = None  # g
+
+    def target(self, gradient: torch.Tensor) -> torch.Tensor:
+        """Update the momentum with `gradient`; the vector to compress, v_i - g_i."""
+        gradient = gradient.detach().to(torch.float32)
+        if self.v is None or self.v.numel() != gradient.numel():
+            # The first step sends the gradient itself (v = d, g = 0), so g starts unbiased.
+            self.v = gradient.clone()
+            self.own = torch.zeros_like(gradient)
+            self.shared = torch.zeros_like(gradient)
+        else:
+            self.v.mul_(1 - self.eta).add_(gradient, alpha=self.eta)
+        assert self.own is not None
+        return self.v - self.own
+
+    def commit(self, own_index: torch.Tensor, own_values: torch.Tensor,
+               mean_index: torch.Tensor | None, mean_values: torch.Tensor) -> torch.Tensor:
+        """g_i += c_i (its values at `own_index`), g += mean c (at `mean_index`; None: the
+        whole vector); returns a copy of the new shared estimate g."""
+        assert self.own is not None and self.shared is not None
+        self.own.index_add_(0, own_index, own_values.to(torch.float32))
+        if mean_index is None:
+            self.shared.add_(mean_values.to(torch.float32))
+        else:
+            self.shared.index_add_(0, mean_index, mean_values.to(torch.float32))
+        return self.shared.clone()
+
+    def resync(self, mean_own: torch.Tensor) -> None:
+        """Set the shared estimate to the exact mean of the g_i (over an inexact collective,
+        the copies of g drift apart where a worker's own value stood in for a lost mean)."""
+        self.shared = mean_own.detach().to(torch.float32).clone()
+
+    @property
+    def residual(self) -> float:
+        """||v_i - g_i||: what this worker has not sent yet."""
+        if self.v is None or self.own is None:
+            return 0.0
+        return float(torch.linalg.vector_norm(self.v - self.own))

@@ -1,0 +1,198 @@
+"""Sparsifiers: Top-K (indices and values all-gathered), Rand-K (a shared seed picks the same
+coordinates everywhere) and ARC-Top-K (every worker picks the same blocks from an all-reduced
+sketch, so values travel index-free through any collective), each with EF21M error feedback.
+
+Every sparsifier turns this worker's vector x (with EF21M: v_i - g_i) into c_i = x on a
+pattern of coordinates and 0 elsewhere; the patterns differ per worker only for Top-K.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from testbed.collectives.compression.feedback import EF21M
+
+
+@dataclass
+class Exchanged:
+    """What one sparse exchange gave: this worker's c_i (`own_index`, `own_values`), the mean
+    of the c_i (at `mean_index`; None: dense), the mean of the exact tail, and the bytes this
+    worker's compressed contribution takes (`payload_bytes`)."""
+
+    own_index: torch.Tensor
+    own_values: torch.Tensor
+    mean_index: torch.Tensor | None
+    mean_values: torch.Tensor
+    mean_tail: torch.Tensor
+    payload_bytes: int
+
+
+def count_of(density: float, numel: int) -> int:
+    """How many of `numel` things a `density` keeps (at least 1)."""
+    return max(1, min(numel, math.ceil(density * numel)))
+
+
+def block_sketch(x: torch.Tensor, block: int) -> torch.Tensor:
+    """Per block of `block` consecutive coordinates (the last one shorter), the squared L2
+    norm of x there: the small sketch ARC-Top-K all-reduces (numel / block values)."""
+    blocks = math.ceil(x.numel() / block)
+    padded = torch.zeros(blocks * block, dtype=torch.float32)
+    padded[: x.numel()] = x
+    return padded.view(blocks, block).square().sum(dim=1)
+
+
+def top_blocks(sketch: torch.Tensor, count: int) -> torch.Tensor:
+    """The `count` blocks of largest aggregated sketch, in ascending order. Ties go to the
+    lower block (a stable sort): the same sketch gives the same blocks on every worker."""
+    order = torch.sort(sketch, descending=True, stable=True).indices[:count]
+    return order.sort().values
+
+
+def block_coordinates(blocks: torch.Tensor, block: int, numel: int) -> torch.Tensor:
+    """The coordinates of `blocks` (ascending), cut at `numel`."""
+    index = (blocks[:, None] * block + torch.arange(block)[None, :]).reshape(-1)
+    return index[index < numel]
+
+
+def random_coordinates(numel: int, count: int, seed: int, step: int, call: int) -> torch.Tensor:
+    """`count` distinct coordinates drawn from (seed, step, call) alone: every worker draws the
+    same ones without a word exchanged (ascending)."""
+    rng = np.random.default_rng([seed, step, call])
+    chosen = rng.choice(numel, size=count, replace=False)
+    return torch.from_numpy(np.sort(chosen).astype(np.int64))
+
+
+class Sparsifier:
+    """The shared part: EF21M around a pattern-specific exchange (`_exchange`)."""
+
+    kind = "sparse"
+    needs_shift = False
+
+    def __init__(self, *, density: float = 0.01, error_feedback: bool = True,
+                 momentum: float = 1.0, resync_every: int = 0) -> None:
+        if not 0 < density <= 1:
+            raise ValueError(f"density: expected a fraction 0 < density <= 1, got {density}")
+        if resync_every < 0:
+            raise ValueError(f"resync_every: expected 0 (never) or more, got {resync_every}")
+        self.density = density
+        self.error_feedback, self.momentum = error_feedback, momentum
+        # One EF21M state per tensor length: a DDP hook's buckets (of different lengths) each
+        # keep their own.
+        self.feedbacks: dict[int, EF21M] = {}
+        self.feedback: EF21M | None = None  # the state of the current call
+        EF21M(momentum)  # checks it
+        self.resync_every = resync_every
+        self._calls = 0
+
+    def reduce(self, call, body: torch.Tensor, tail: torch.Tensor, step: int) -> tuple[
+            torch.Tensor, torch.Tensor, dict[str, float]]:
+        """The (estimated) mean of the workers' `body`s and the exact mean of their `tail`s."""
+        self._calls += 1
+        if self.error_feedback:
+            self.feedback = self.feedbacks.setdefault(body.numel(), EF21M(self.momentum))
+        x = self.feedback.target(body) if self.feedback is not None else body.to(torch.float32)
+        got = self._exchange(call, x, tail, step)
+        if self.feedback is not None:
+            result = self.feedback.commit(got.own_index, got.own_values, got.mean_index,
+                                          got.mean_values)
+            if self.resync_every and self._calls % self.resync_every == 0:
+                assert self.feedback.own is not None
+                self.feedback.resync(call.exact_mean(self.feedback.own))
+                result = self.feedback.shared.clone()  # type: ignore[union-attr]
+        elif got.mean_index is None:
+            result = got.mean_values.clone()
+        else:
+            result = torch.zeros(body.numel(), dtype=torch.float32)
+            result[got.mean_index] = got.mean_values
+        norm = float(torch.linalg.vector_norm(x))
+        kept = float(torch.linalg.vector_norm(got.own_values))
+        figures = {
+            "payload_bytes": float(got.payload_bytes),
+            "error": math.sqrt(max(0.0, norm * norm - kept * kept)) / norm if norm > 0 else 0.0,
+        }
+        if self.feedback is not None:
+            figures["feedback_residual"] = self.feedback.residual
+        return result, got.mean_tail, figures
+
+    def _exchange(self, call, x: torch.Tensor, tail: torch.Tensor, step: int) -> Exchanged:
+        raise NotImplementedError
+
+    def _shared_pattern(self, call, index: torch.Tensor, x: torch.Tensor,
+                        tail: torch.Tensor) -> Exchanged:
+        """Values at a pattern every worker shares, all-reduced index-free (with the tail)."""
+        values = x[index]
+        mean = call.allreduce(torch.cat([values, tail.to(torch.float32)]))
+        return Exchanged(index, values, index, mean[: index.numel()], mean[index.numel():],
+                         4 * (index.numel() + tail.numel()))
+
+    def close(self) -> None:
+        pass
+
+
+class RandK(Sparsifier):
+    """Rand-K: the coordinates come from a seed shared by every worker (seed, step, call
+    number), so only values travel, through any collective."""
+
+    kind = "randk"
+
+    def __init__(self, *, seed: int = 0, **options) -> None:
+        super().__init__(**options)
+        self.seed = seed
+
+    def _exchange(self, call, x, tail, step):
+        index = random_coordinates(x.numel(), count_of(self.density, x.numel()), self.seed,
+                                   step, self._calls)
+        return self._shared_pattern(call, index, x, tail)
+
+
+class ARCTopK(Sparsifier):
+    """ARC-Top-K: each worker sketches x as per-block squared norms (blocks of `block`); the
+    sketches are summed over the workers identically everywhere; every worker keeps the same
+    top density * blocks blocks, and their values travel index-free."""
+
+    kind = "arc_topk"
+
+    def __init__(self, *, block: int = 64, **options) -> None:
+        super().__init__(**options)
+        if block < 1:
+            raise ValueError(f"block: expected 1 or more coordinates per block, got {block}")
+        self.block = block
+        self.last_blocks: torch.Tensor | None = None  # for tests: the pattern agreed on
+
+    def _exchange(self, call, x, tail, step):
+        sketch = call.agree(block_sketch(x, self.block))
+        blocks = top_blocks(sketch, count_of(self.density, sketch.numel()))
+        self.last_blocks = blocks
+        index = block_coordinates(blocks, self.block, x.numel())
+        got = self._shared_pattern(call, index, x, tail)
+        got.payload_bytes += 4 * sketch.numel()
+        return got
+
+
+class TopK(Sparsifier):
+    """Top-K: each worker keeps its own k largest |x|; indices (int32) and values (fp32) are
+    all-gathered around the ring over the inner collective's reliable transport, then every
+    worker sums them in rank order (the same result everywhere)."""
+
+    kind = "topk"
+    needs_shift = True
+
+    def _exchange(self, call, x, tail, step):
+        k = count_of(self.density, x.numel())
+        index = torch.topk(x.abs(), k, sorted=False).indices.sort().values
+        values = x[index]
+        payload = torch.cat([index.to(torch.int32).view(torch.uint8), values.view(torch.uint8),
+                             tail.to(torch.float32).contiguous().view(torch.uint8)])
+        gathered = call.all_gather(payload)
+        total = torch.zeros(x.numel(), dtype=torch.float32)
+        tails = torch.zeros(tail.numel(), dtype=torch.float32)
+        for data in gathered:  # in rank order: every worker adds in the same order
+            theirs = data[: 4 * k].clone().view(torch.int32).to(torch.int64)
+            total.index_add_(0, theirs, data[4 * k: 8 * k].clone().view(torch.float32))
+            tails += data[8 * k:].clone().view(torch.float32)
+        world = len(gathered)
+        return Exchanged(index, values, None, total / world, tails / world, payload.numel())

@@ -1,0 +1,362 @@
+"""Compressed collectives in one process: quantization within its bound per group, INT4
+packing, EF21M's bounded error, and, over real rings and lossy groups on loopback, ARC-Top-K's
+pattern the same on every worker, every compressor close to the true mean, Top-K's all-gather
+exact, and the stats' figures."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from concurrently import concurrently
+
+from testbed.collectives.compression import quantize as q
+from testbed.collectives.compression import wrap
+from testbed.collectives.compression.feedback import EF21M
+from testbed.collectives.compression.sparsify import (
+    block_coordinates,
+    block_sketch,
+    count_of,
+    random_coordinates,
+    top_blocks,
+)
+from testbed.collectives.lossy import Lossy
+from testbed.collectives.ring import Ring
+from testbed.transport.tcp import Listener
+from testbed.transport.udp import DatagramEndpoint
+
+# --- quantization -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("stochastic", [False, True])
+@pytest.mark.parametrize("group", [32, 128, 256])
+def test_quantization_error_is_within_the_bound_of_every_group(bits, symmetric, stochastic,
+                                                               group):
+    fmt = q.Format(bits, group, symmetric, stochastic)
+    generator = torch.Generator().manual_seed(1)
+    # Groups of very different scales, an all-zero group, a constant group, a ragged end.
+    x = torch.randn(10 * group + group // 2 + 1, generator=generator)
+    x[:group] *= 1000
+    x[group: 2 * group] = 0
+    x[2 * group: 3 * group] = 3.5
+    x[3 * group: 4 * group] = torch.rand(group, generator=generator) + 7  # all positive
+    quantized = q.quantize(x, fmt, generator)
+    back = q.dequantize(quantized)
+    assert back.shape == x.shape
+    error = torch.zeros(quantized.scale.numel() * group)
+    error[: x.numel()] = (back - x).abs()
+    bound = q.error_bound(quantized)
+    per_group = error.view(-1, group).amax(dim=1)
+    slack = 1e-6 * (1 + x.abs().max())  # float rounding of the scale arithmetic
+    assert torch.all(per_group <= bound + slack), (per_group - bound).max()
+    # The bound is not vacuous: scale is what the group's range over the levels says.
+    groups = torch.zeros(quantized.scale.numel() * group)
+    groups[: x.numel()] = x
+    g = groups.view(-1, group)
+    expected = (g.abs().amax(1) / fmt.levels if symmetric
+                else (g.amax(1) - g.amin(1)) / fmt.levels)
+    torch.testing.assert_close(quantized.scale, expected)
+    assert per_group[1] == 0, "an all-zero group comes back exact"
+    if not symmetric:
+        assert per_group[2] == 0, "a constant group comes back exact (asymmetric)"
+    # The wire bytes say the same.
+    data = q.to_bytes(quantized)
+    assert data.numel() == fmt.wire_size(x.numel())
+    torch.testing.assert_close(q.dequantize(q.from_bytes(data, x.numel(), fmt)), back)
+
+
+def test_stochastic_rounding_is_unbiased_and_nearest_is_not():
+    fmt = q.Format(4, 32, True, True)
+    x = torch.full((32,), 0.3)
+    x[0] = 7.0  # scale 1: 0.3 is 0.3 of the way between levels 0 and 1
+    generator = torch.Generator().manual_seed(0)
+    mean = torch.stack([q.dequantize(q.quantize(x, fmt, generator)) for _ in range(2000)]).mean(0)
+    assert abs(mean[1:].mean().item() - 0.3) < 0.01
+    nearest = q.dequantize(q.quantize(x, q.Format(4, 32, True, False)))
+    assert nearest[1:].eq(0).all()
+
+
+def test_int4_packing_round_trips_and_halves_the_bytes():
+    codes = torch.randint(0, 16, (4096,), generator=torch.Generator().manual_seed(0),
+                          dtype=torch.uint8)
+    packed = q.pack4(codes)
+    assert packed.numel() == 2048 and packed.dtype == torch.uint8
+    assert torch.equal(q.unpack4(packed), codes)
+    assert packed[0] == (codes[0] | (codes[1] << 4))  # first of a pair in the low nibble
+    assert q.Format(4, 128).wire_size(1024) == 8 * 4 + 512
+    assert q.Format(8, 128, symmetric=False).wire_size(1024) == 8 * 8 + 1024
+
+
+def test_a_bad_format_names_the_parameter():
+    with pytest.raises(ValueError, match="bits: expected one of 8, 4"):
+        q.Format(bits=2)
+    with pytest.raises(ValueError, match="group_size"):
+        q.Format(group=33)
+
+
+# --- EF21M --------------------------------------------------------------------------------------
+
+
+def topk_compressor(density: float):
+    def compress(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        index = torch.topk(x.abs(), count_of(density, x.numel())).indices
+        return index, x[index]
+    return compress
+
+
+@pytest.mark.parametrize("momentum", [1.0, 0.2])
+def test_ef21m_keeps_the_accumulated_error_bounded(momentum):
+    """Over many steps of slowly changing gradients and a fixed 1% Top-K, what EF21M holds back
+    (||v - g||) stays bounded, and the shared estimate tracks the momentum; without error
+    feedback the same compressor loses 99% of the coordinates every step for good."""
+    n, steps, workers = 2000, 600, 3
+    generator = torch.Generator().manual_seed(0)
+    base = torch.randn(workers, n, generator=generator)
+    states = [EF21M(momentum) for _ in range(workers)]
+    compress = topk_compressor(0.01)
+    residuals, gaps = [], []
+    for step in range(steps):
+        drift = 1 + 0.5 * math.sin(step / 50)
+        grads = base * drift + 0.1 * torch.randn(workers, n, generator=generator)
+        sent = []
+        for state, grad in zip(states, grads, strict=True):
+            index, values = compress(state.target(grad))
+            sent.append((index, values))
+        mean = torch.zeros(n)
+        for index, values in sent:
+            mean.index_add_(0, index, values / workers)
+        shared = [state.commit(index, values, None, mean)
+                  for state, (index, values) in zip(states, sent, strict=True)]
+        residuals.append(max(state.residual for state in states))
+        v_mean = torch.stack([state.v for state in states]).mean(0)
+        gaps.append(float(torch.linalg.vector_norm(shared[0] - v_mean)
+                          / torch.linalg.vector_norm(v_mean)))
+    norm = float(torch.linalg.vector_norm(base, dim=1).max()) * 1.5
+    late, early = max(residuals[steps // 2:]), max(residuals[: steps // 2])
+    assert late < 1.5 * early + 1e-6, "the held-back error keeps growing"
+    assert late < 5 * norm, (late, norm)
+    assert all(torch.equal(state.shared, states[0].shared) for state in states)
+    # The shared estimate g is within a modest fraction of the mean momentum.
+    assert max(gaps[steps // 2:]) < 0.7, max(gaps[steps // 2:])
+
+
+def test_ef21m_rejects_a_momentum_out_of_range():
+    with pytest.raises(ValueError, match="momentum"):
+        EF21M(0.0)
+
+
+# --- patterns -----------------------------------------------------------------------------------
+
+
+def test_blocks_ties_and_coordinates():
+    sketch = torch.tensor([1.0, 5.0, 5.0, 0.0, 5.0])
+    assert top_blocks(sketch, 2).tolist() == [1, 2], "ties go to the lower block"
+    assert block_coordinates(torch.tensor([1, 4]), 3, 14).tolist() == [3, 4, 5, 12, 13]
+    x = torch.arange(10, dtype=torch.float32)
+    torch.testing.assert_close(block_sketch(x, 4), torch.tensor([14.0, 126.0, 145.0]))
+    a, b = random_coordinates(1000, 10, 3, 7, 1), random_coordinates(1000, 10, 3, 7, 1)
+    assert torch.equal(a, b) and a.unique().numel() == 10
+    assert not torch.equal(a, random_coordinates(1000, 10, 3, 8, 1))
+
+
+# --- over real collectives on loopback ----------------------------------------------------------
+
+
+def ring_of(world: int) -> list[Ring]:
+    listeners = [Listener(("127.0.0.1", 0)) for _ in range(world)]
+    addresses = [listener.address for listener in listeners]
+    return concurrently(*(
+        lambda rank=rank: Ring(rank, world, addresses=addresses, listener=listeners[rank],
+                               timeout=10)
+        for rank in range(world)
+    ))
+
+
+def lossy_of(world: int, **options) -> list[Lossy]:
+    endpoints = [DatagramEndpoint(rank, 5, ("127.0.0.1", 0)) for rank in range(world)]
+    listeners = [Listener(("127.0.0.1", 0)) for _ in range(world)]
+    return concurrently(*(
+        lambda rank=rank: Lossy(
+            rank, world, addresses=[e.address for e in endpoints], endpoint=endpoints[rank],
+            run_id=5, deadline_initial=5.0, deadline_floor=5.0,
+            stream_addresses=[x.address for x in listeners], listener=listeners[rank],
+            **options)
+        for rank in range(world)
+    ))
+
+
+INNERS = {"ring": ring_of, "lossy": lossy_of}
+
+
+def gradients(world: int, numel: int, step: int) -> list[torch.Tensor]:
+    """Different per worker, with a shared structure (a few strong blocks) and noise."""
+    shared = torch.zeros(numel)
+    shared[100:164] = 5.0
+    shared[numel - 300: numel - 200] = -3.0
+    return [shared + torch.randn(numel, generator=torch.Generator().manual_seed(
+        1000 * step + rank)) for rank in range(world)]
+
+
+@pytest.mark.parametrize("inner", ["ring", "lossy"])
+def test_arc_topk_pattern_is_identical_on_every_worker(inner):
+    world, numel = 4, 10_000
+    workers = [wrap(c, "arc_topk", density=0.02, block=16, dense_tail=1)
+               for c in INNERS[inner](world)]
+    try:
+        for step in range(4):
+            inputs = gradients(world, numel, step)
+            for rank in range(world):  # each worker's own strongest blocks differ
+                inputs[rank][2000 + 500 * rank: 2000 + 500 * rank + 64] += 4.0
+            results = concurrently(*(lambda r=r, s=step, x=inputs: workers[r].allreduce(x[r], s)
+                                     for r in range(world)))
+            patterns = [w.compressor.last_blocks for w in workers]
+            assert all(torch.equal(p, patterns[0]) for p in patterns), "patterns differ"
+            assert patterns[0].numel() == count_of(0.02, math.ceil((numel - 1) / 16))
+            if step == 0:  # (later, EF21M has sent them and v - g is small there)
+                # The blocks strong on every worker win over those strong on one.
+                assert {7, 8, 9} <= set(patterns[0].tolist())
+            expected = torch.stack(inputs).mean(0)
+            for result, stats in results:
+                torch.testing.assert_close(result[-1], expected[-1])  # the exact tail
+                assert stats.collective == f"{inner}+arc_topk"
+                # Values of the agreed blocks, the exact tail, and the sketch (one per block).
+                blocks = math.ceil((numel - 1) / 16)
+                sent = 16 * patterns[0].numel() + 1 + blocks
+                assert stats.extra["compression_ratio"] == pytest.approx(sent / numel)
+                assert stats.bytes_sent > 0
+            if inner == "ring":  # an exact inner: every worker holds the same estimate
+                assert all(torch.equal(r, results[0][0]) for r, _ in results)
+    finally:
+        for w in workers:
+            w.close()
+
+
+@pytest.mark.parametrize("kind", ["topk", "randk", "arc_topk", "int8", "int4", "powersgd"])
+@pytest.mark.parametrize("inner", ["ring", "lossy"])
+def test_every_compressor_estimates_the_mean(kind, inner):
+    """Repeated calls on the same inputs: with error feedback the estimate converges to the
+    true mean; quantizers are close at once; the dense tail is exact; ring and lossy."""
+    world, numel = 3, 4000
+    params = {"density": 0.05} if kind in ("topk", "randk", "arc_topk") else {}
+    if kind == "arc_topk":
+        params["block"] = 8
+    if kind in ("topk", "randk", "arc_topk"):
+        params["momentum"] = 1.0  # EF21: the estimate of a fixed input converges to it
+    workers = [wrap(c, kind, dense_tail=1, **params) for c in INNERS[inner](world)]
+    try:
+        inputs = gradients(world, numel, 0)
+        expected = torch.stack(inputs).mean(0)
+        error = math.inf
+        # Rand-K reaches a coordinate at random: (1 - 0.05)^120 of them are still unsent.
+        calls = {"topk": 40, "arc_topk": 40, "randk": 120}.get(kind, 3)
+        for step in range(calls):
+            results = concurrently(*(lambda r=r, s=step, x=inputs: workers[r].allreduce(x[r], s)
+                                     for r in range(world)))
+            error = max(float(torch.linalg.vector_norm(r - expected)
+                              / torch.linalg.vector_norm(expected)) for r, _ in results)
+        bound = {"int8": 0.02, "int4": 0.3, "powersgd": 0.999, "randk": 0.1}.get(kind, 0.05)
+        assert error < bound, error
+        for result, stats in results:
+            torch.testing.assert_close(result[-1], expected[-1])
+            ratio = stats.extra["compression_ratio"]
+            assert 0 < ratio < (0.6 if kind != "int8" else 0.3), ratio
+            assert stats.extra["compression_error"] >= 0
+        if kind == "topk":
+            # The all-gather carries k indices and k values per worker: exact sum of c_i.
+            assert results[0][1].extra["compressed_bytes"] == 8 * count_of(0.05, numel - 1) + 4
+    finally:
+        for w in workers:
+            w.close()
+
+
+def test_int4_over_the_ring_sends_an_eighth_of_the_bytes():
+    world, numel = 4, 100_000
+    plain = ring_of(world)
+    compressed = [wrap(c, "int4", group_size=128) for c in ring_of(world)]
+    try:
+        inputs = gradients(world, numel, 0)
+        dense = concurrently(*(lambda r=r: plain[r].allreduce(inputs[r], 0)
+                               for r in range(world)))
+        small = concurrently(*(lambda r=r: compressed[r].allreduce(inputs[r], 0)
+                               for r in range(world)))
+        ratio = small[0][1].bytes_sent / dense[0][1].bytes_sent
+        assert 0.12 < ratio < 0.16, ratio  # 4 of 32 bits, plus a scale per 128 values
+        assert all(torch.equal(r, small[0][0]) for r, _ in small), "copies differ"
+    finally:
+        for w in [*plain, *compressed]:
+            w.close()
+
+
+def test_a_bad_compressor_is_named_with_what_is_allowed():
+    ring = ring_of(1)[0]
+    try:
+        with pytest.raises(ValueError, match=r"compressor\.kind: expected one of none, topk"):
+            wrap(ring, "top-k")
+        with pytest.raises(ValueError, match=r"compressor\.block: not a parameter of int8"):
+            wrap(ring, "int8", block=4)
+    finally:
+        ring.close()
+
+
+def test_over_lossy_a_lost_chunk_costs_its_values_and_a_resync_reunites_the_estimates():
+    """Under a seeded loss of lossy's datagrams, ARC-Top-K's pattern still agrees (the sketch
+    goes over TCP), every result is finite, the copies of EF21M's shared estimate drift apart
+    where a worker's own value stood in for a lost mean, and `resync_every` makes them equal
+    again."""
+    from testbed.collectives.lossy import SeededLoss
+
+    world, numel = 3, 20_000
+    workers = [wrap(c, "arc_topk", density=0.1, block=8, resync_every=3)
+               for c in lossy_of(world, test_loss=SeededLoss(0.2, seed=4))]
+    try:
+        drifted = False
+        for step in range(6):
+            inputs = gradients(world, numel, step)
+            results = concurrently(*(lambda r=r, s=step, x=inputs: workers[r].allreduce(x[r], s)
+                                     for r in range(world)))
+            patterns = [w.compressor.last_blocks for w in workers]
+            assert all(torch.equal(p, patterns[0]) for p in patterns), "patterns differ"
+            assert all(torch.isfinite(r).all() for r, _ in results)
+            assert min(stats.coverage for _, stats in results) < 1.0, "nothing was lost?"
+            shared = [w.compressor.feedback.shared for w in workers]
+            same = all(torch.equal(g, shared[0]) for g in shared)
+            if (step + 1) % 3 == 0:
+                assert same, "a resync leaves every copy of g equal"
+            else:
+                drifted |= not same
+        assert drifted, "with 20% loss the copies of g should differ between resyncs"
+    finally:
+        for w in workers:
+            w.close()
+
+
+def test_powersgd_given_the_shapes_recovers_low_rank_weights_and_sends_vectors_exact():
+    """One matrix per weight (as torch's hook): rank-1 weight gradients come back exact after
+    one call at rank 2, biases travel uncompressed; the flat fallback cannot do that."""
+    from testbed.collectives.compression.powersgd import PowerSGD
+
+    class Local:  # one worker: the all-reduce is the identity
+        @staticmethod
+        def allreduce(tensor):
+            return tensor.clone()
+
+    generator = torch.Generator().manual_seed(0)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator)
+
+    shapes = [(40, 30), (30,), (10, 40), (10,)]
+    parts = [torch.outer(randn(40), randn(30)), randn(30), torch.outer(randn(10), randn(40)),
+             randn(10)]
+    flat = torch.cat([p.reshape(-1) for p in parts])
+    shaped = PowerSGD(rank=2)
+    shaped.set_shapes(shapes)
+    result, tail, figures = shaped.reduce(Local, flat, torch.tensor([4.0]), 0)
+    torch.testing.assert_close(result, flat, rtol=1e-4, atol=1e-4)
+    assert tail.tolist() == [4.0]
+    assert figures["payload_bytes"] == 4 * ((40 + 30) * 2 + 30 + (10 + 40) * 2 + 10 + 1)
+    unshaped, _, _ = PowerSGD(rank=2).reduce(Local, flat, torch.zeros(0), 0)
+    assert torch.linalg.vector_norm(unshaped - flat) > 0.1 * torch.linalg.vector_norm(flat)
