@@ -33,7 +33,14 @@ from typing import Any
 import netem
 from netem.profile import LinkProfile
 from testbed.cluster.timeline import Pair, Timeline
-from testbed.cluster.worker import PORTS, Worker, WorkerSpec, post_burst, serve_run_store
+from testbed.cluster.worker import (
+    PORTS,
+    Worker,
+    WorkerSpec,
+    post_burst,
+    post_links,
+    serve_run_store,
+)
 from testbed.scenario.model import Event, Scenario
 
 CUT = LinkProfile(loss=1.0)
@@ -62,9 +69,12 @@ class IngressLinks:
         rules: dict[str | None, LinkProfile] = {None: LinkProfile()}
         for src in range(self.count):
             if src != self.rank:
-                pair = (src, self.rank)
-                rules[self.hosts[src]] = CUT if pair in self._cut else self._profiles[pair]
+                rules[self.hosts[src]] = self.effective(src, self.rank)
         return rules
+
+    def effective(self, src: int, dst: int) -> LinkProfile:
+        """What the link carries now: 100% loss while cut, else its profile."""
+        return CUT if (src, dst) in self._cut else self._profiles[(src, dst)]
 
     def start(self) -> float:
         begun = time.perf_counter()
@@ -210,10 +220,13 @@ class Node:
         events = [event for event in self.scenario.timeline
                   if not (event.action in ("kill", "restart") and event in own
                           and self._is_past(event, passed))]
-        record = self._writer.fault if self._writer is not None else (lambda **_: None)
-        self._timeline = Timeline(events, self.links, lambda fields: record(**fields),
-                                  clock=time.time, on_kill=self._kill,
-                                  on_straggler_burst=self._burst)
+        def on_event(record: dict[str, Any]) -> None:
+            if self._writer is not None:
+                self._writer.fault(**record)
+            post_links(self.run_dir, record, self.links.effective, only=self.rank)
+
+        self._timeline = Timeline(events, self.links, on_event, clock=time.time,
+                                  on_kill=self._kill, on_straggler_burst=self._burst)
         self._timeline.start(origin=origin)
 
     def _is_past(self, event: Event, passed: float) -> bool:
@@ -260,7 +273,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int)
     parser.add_argument("--iface", default="eth0")
     args = parser.parse_args(argv)
-    node = Node(args.scenario, args.rank, args.hosts.split(","), args.runs, iface=args.iface,
-                steps=args.steps)
+    from testbed.scenario import ScenarioError
+
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    return node.run()
+    try:
+        node = Node(args.scenario, args.rank, args.hosts.split(","), args.runs,
+                    iface=args.iface, steps=args.steps)
+        return node.run()
+    except (netem.UnsupportedByKernel, netem.ShapingError) as error:
+        print(f"worker {args.rank}: cannot shape its links here: {error}", file=sys.stderr)
+    except (ScenarioError, ValueError) as error:
+        print(f"worker {args.rank}: {error}", file=sys.stderr)
+    return 2

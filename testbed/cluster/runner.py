@@ -33,7 +33,13 @@ from netem.probe import inside
 from testbed.cluster.network import ClusterNetwork
 from testbed.cluster.relay import MetricsRelay
 from testbed.cluster.timeline import Timeline
-from testbed.cluster.worker import PORTS, WorkerSpec, post_burst, serve_run_store
+from testbed.cluster.worker import (
+    PORTS,
+    WorkerSpec,
+    post_burst,
+    post_links,
+    serve_run_store,
+)
 from testbed.cluster.zygote import ForkedWorker, Zygote
 from testbed.report import RunWriter
 from testbed.scenario import Scenario, load_scenario
@@ -141,8 +147,12 @@ class ClusterRun:
                 with inside(network.namespace(0)):  # reachable at worker 0's address
                     store = [serve_run_store(network.hosts[0], PORTS["drift"])]
                 stack.callback(store.clear)  # served until the workers are gone
+                def on_event(record: dict[str, Any]) -> None:
+                    writer.fault(**record)
+                    post_links(self.run_dir, record, network.effective)  # workers' metrics
+
                 timeline = Timeline(
-                    self.scenario.timeline, network, lambda record: writer.fault(**record),
+                    self.scenario.timeline, network, on_event,
                     on_kill=self._kill, on_restart=self._restart,
                     on_straggler_burst=self._burst,
                 )

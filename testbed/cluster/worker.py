@@ -204,28 +204,34 @@ class PeerExchange:
                 for rank, key in enumerate(keys)}
 
 
-class BurstControl:
-    """The straggler bursts the runner sends while the run goes (the timeline's
-    `straggler_burst`): JSON lines appended to this worker's control file, read before every
-    step. Each line is `{"delay": <straggler spec>, "steps": n}` or `{..., "until": <epoch
-    seconds>}`. A restarted worker starts at the file's end: bursts are not replayed."""
+class WorkerControl:
+    """What a running worker is told through its control file (JSON lines appended by the
+    runner, or by a Compose node's own timeline), read before every step (`poll`):
 
-    def __init__(self, path: Path, seed: int, rank: int) -> None:
+    - straggler bursts, `{"delay": <straggler spec>, "steps": n}` or `{..., "until": <epoch
+      seconds>}`, which add to the compute of the steps they last (`delay`);
+    - link changes, `{"link": {"peer": p, "profile": {...} | null}}`: the profile now on the
+      link from peer p into this worker, handed to `on_link(peer, profile)` (the worker's
+      metrics), so the configured link follows the fault timeline.
+
+    A restarted worker takes the latest profile of each link from what the file holds, but no
+    burst: bursts are not replayed."""
+
+    def __init__(self, path: Path, seed: int, rank: int,
+                 on_link: Callable[[int, Any], None] | None = None) -> None:
         self.path, self.seed, self.rank = path, seed, rank
-        self._offset = path.stat().st_size if path.exists() else 0
+        self.on_link = on_link or (lambda peer, profile: None)
+        self._offset = 0
         self._received = 0
         self._active: list[tuple[Any, int | None, float | None]] = []
+        self._read(bursts=False)
+
+    def poll(self) -> None:
+        """Apply what was appended since the last look."""
+        self._read(bursts=True)
 
     def delay(self) -> float:
         """Seconds the bursts in force add to this step's compute."""
-        from testbed.train.stragglers import StragglerDelay, StragglerSpec
-
-        for line in self._new_lines():
-            burst = json.loads(line)
-            self._received += 1
-            draws = StragglerDelay(StragglerSpec.parse(burst["delay"]),
-                                   self.seed + self._received, self.rank)
-            self._active.append((draws, burst.get("steps"), burst.get("until")))
         now, total, still = time.time(), 0.0, []
         for draws, steps, until in self._active:
             if (steps is not None and steps <= 0) or (until is not None and now >= until):
@@ -234,6 +240,23 @@ class BurstControl:
             still.append((draws, None if steps is None else steps - 1, until))
         self._active = still
         return total
+
+    def _read(self, *, bursts: bool) -> None:
+        from netem.profile import LinkProfile
+        from testbed.train.stragglers import StragglerDelay, StragglerSpec
+
+        for line in self._new_lines():
+            message = json.loads(line)
+            if "link" in message:
+                link = message["link"]
+                profile = link["profile"]
+                self.on_link(int(link["peer"]),
+                             None if profile is None else LinkProfile.model_validate(profile))
+            elif bursts:
+                self._received += 1
+                draws = StragglerDelay(StragglerSpec.parse(message["delay"]),
+                                       self.seed + self._received, self.rank)
+                self._active.append((draws, message.get("steps"), message.get("until")))
 
     def _new_lines(self) -> list[str]:
         try:
@@ -359,12 +382,14 @@ class Worker:
         # Progress is posted only for a worker that may come back to read it (a store round
         # trip per step otherwise spent for nothing).
         rejoinable = any(event.action == "restart" for event in scenario.timeline)
-        bursts = BurstControl(control_path(spec.run_dir, spec.rank), config.seed, spec.rank)
+        control = WorkerControl(control_path(spec.run_dir, spec.rank), config.seed, spec.rank,
+                                on_link=metrics.set_link_profile)
         every = scenario.metrics.drift_every
         computes: dict[int, float] = {}
         for step in range(start, config.steps):
             self.before_step(step)
-            record = job.step(step, extra_delay=bursts.delay())
+            control.poll()
+            record = job.step(step, extra_delay=control.delay())
             if rejoinable:
                 exchange.report_progress(step)
             computes[step] = record.compute_seconds
@@ -416,22 +441,35 @@ def control_path(run_dir: str | Path, rank: int) -> Path:
 
 
 def post_burst(run_dir: str | Path, event: Any, only: int | None = None) -> None:
-    """A timeline's straggler burst, appended to each of its workers' control files (`only`:
-    to this worker's, if the burst names it) as one line that `BurstControl` reads (a
-    `duration` becomes a wall-clock `until`)."""
+    """A timeline's straggler burst, to each of its workers' control files (`only`: to this
+    worker's, if the burst names it); a `duration` becomes a wall-clock `until`."""
     burst = event.straggler_burst
-    line = json.dumps({
+    message = {
         "delay": burst.delay.model_dump(exclude_none=True),
         "steps": burst.steps,
         "until": time.time() + burst.duration if burst.duration else None,
-    }) + "\n"
+    }
     for rank in burst.workers:
-        if only is not None and rank != only:
-            continue
-        path = control_path(run_dir, rank)
-        path.parent.mkdir(exist_ok=True)
-        with path.open("a") as control:
-            control.write(line)
+        if only is None or rank == only:
+            _post(run_dir, rank, message)
+
+
+def post_links(run_dir: str | Path, record: dict[str, Any], profile_of: Callable[[int, int], Any],
+               only: int | None = None) -> None:
+    """The links a timeline record changed (its `pairs`), to each receiver's control file
+    (`only`: to this worker's) with `profile_of(src, dst)`, what the link carries now."""
+    for src, dst in record.get("pairs", ()):
+        if only is None or dst == only:
+            profile = profile_of(src, dst)
+            _post(run_dir, dst, {"link": {"peer": src, "profile": profile.model_dump()}})
+
+
+def _post(run_dir: str | Path, rank: int, message: dict[str, Any]) -> None:
+    """One line on worker `rank`'s control file (`WorkerControl` reads it)."""
+    path = control_path(run_dir, rank)
+    path.parent.mkdir(exist_ok=True)
+    with path.open("a") as control:
+        control.write(json.dumps(message) + "\n")
 
 
 def torch_dtype(job: Any) -> Any:

@@ -127,7 +127,12 @@ def test_lossy_drift_and_lost_datagrams_follow_a_link_that_starts_losing(tmp_pat
     for rank, peer in [(1, 2), (1, 3), (2, 0), (3, 0), (0, 1)]:  # the other links: nothing
         assert count(final[rank], "testbed_datagrams_lost_total", rank=str(rank),
                      peer=str(peer)) == 0, f"loss on link {peer}->{rank}, which was not changed"
-    assert value(final[1], "testbed_link_loss_ratio", rank="1", peer="0", direction="in") == 0.0
+    # The configured loss follows the timeline: 0 at the early scrape, 30% after the change.
+    assert value(scraper.early[1], "testbed_link_loss_ratio", rank="1", peer="0",
+                 direction="in") == 0.0
+    assert value(final[1], "testbed_link_loss_ratio", rank="1", peer="0",
+                 direction="in") == pytest.approx(0.3)
+    assert value(final[1], "testbed_link_loss_ratio", rank="1", peer="2", direction="in") == 0.0
     # Worker 1 missed some of owner 0's broadcasts: its copy drifted from the others' mean.
     drifts = [value(s, "testbed_parameter_drift_ratio", rank=str(r), reference="mean")
               for r, s in enumerate(final)]

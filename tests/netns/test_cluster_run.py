@@ -177,7 +177,7 @@ def test_a_preempted_worker_rejoins_where_the_others_are_with_their_parameters(t
     for rank in range(3):
         assert steps[rank] == list(range(PREEMPTION_STEPS)), f"worker {rank} missed steps"
     rejoined = min(s for s in steps[3] if s > 12)  # the kill may come during step 10
-    assert steps[3][-1] == last and rejoined > 20, steps[3]
+    assert steps[3][-1] == last and rejoined >= 20, steps[3]  # not before its restart
     assert set(range(rejoined, PREEMPTION_STEPS)) <= set(steps[3]), "the rejoiner skipped steps"
     assert not set(range(13, rejoined)) & set(steps[3]), "worker 3 ran steps while it was killed"
     # The others averaged without it while it was gone.

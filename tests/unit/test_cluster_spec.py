@@ -12,7 +12,14 @@ from pathlib import Path
 import pytest
 
 from testbed import collectives
-from testbed.cluster.worker import PORTS, BurstControl, SpecError, WorkerSpec, placement
+from testbed.cluster.worker import (
+    PORTS,
+    SpecError,
+    WorkerControl,
+    WorkerSpec,
+    placement,
+    post_links,
+)
 from testbed.scenario import load_scenario
 
 HOSTS = ["198.18.0.1", "198.18.0.2", "198.18.0.3"]
@@ -64,22 +71,52 @@ def test_placement_gives_each_collective_options_it_takes(kind):
 
 def test_bursts_from_the_control_file_last_their_steps_or_their_time(tmp_path: Path):
     control = tmp_path / "control-0.jsonl"
-    bursts = BurstControl(control, seed=1, rank=0)
-    assert bursts.delay() == 0.0  # no file yet
+    bursts = WorkerControl(control, seed=1, rank=0)
+
+    def delay() -> float:
+        bursts.poll()
+        return bursts.delay()
+
+    assert delay() == 0.0  # no file yet
     with control.open("a") as file:
         file.write(json.dumps({"delay": {"fixed": 0.2}, "steps": 2, "until": None}) + "\n")
         file.write(json.dumps({"delay": {"fixed": 0.05}, "steps": None,
                                "until": time.time() + 3600}) + "\n")
         file.write('{"delay": {"fixed": 9')  # a line still being written is not read yet
-    assert [bursts.delay() for _ in range(3)] == pytest.approx([0.25, 0.25, 0.05])
+    assert [delay() for _ in range(3)] == pytest.approx([0.25, 0.25, 0.05])
     with control.open("a") as file:
         file.write('}, "steps": 1, "until": null}\n')
-    assert bursts.delay() == pytest.approx(9.05)
-    assert bursts.delay() == pytest.approx(0.05)
+    assert delay() == pytest.approx(9.05)
+    assert delay() == pytest.approx(0.05)
 
-    restarted = BurstControl(control, seed=1, rank=0)
+    restarted = WorkerControl(control, seed=1, rank=0)
+    restarted.poll()
     assert restarted.delay() == 0.0, "a restarted worker replayed old bursts"
     with control.open("a") as file:
         file.write(json.dumps({"delay": {"fixed": 0.1}, "steps": None,
                                "until": time.time() - 1}) + "\n")
+    restarted.poll()
     assert restarted.delay() == 0.0, "a burst whose time is over still applied"
+
+
+def test_link_changes_reach_the_worker_and_a_restarted_one_takes_the_latest(tmp_path: Path):
+    from netem.profile import LinkProfile
+
+    seen: list[tuple[int, LinkProfile | None]] = []
+    control = WorkerControl(tmp_path / "logs" / "control-1.jsonl", seed=1, rank=1,
+                            on_link=lambda peer, profile: seen.append((peer, profile)))
+    lossy, cut = LinkProfile(loss=0.3), LinkProfile(loss=1.0)
+    profiles = {(0, 1): lossy, (2, 1): cut, (1, 2): cut}
+    record = {"action": "set_link", "pairs": [[0, 1], [2, 1], [1, 2]]}
+    post_links(tmp_path, record, lambda src, dst: profiles[(src, dst)])
+    assert seen == []  # read before the next step, not at once
+    control.poll()
+    assert seen == [(0, lossy), (2, cut)]  # 1->2 is worker 2's to know
+    assert control.delay() == 0.0
+
+    profiles[(0, 1)] = LinkProfile(loss=0.05)
+    post_links(tmp_path, {"pairs": [[0, 1]]}, lambda src, dst: profiles[(src, dst)])
+    again: list[tuple[int, LinkProfile | None]] = []
+    WorkerControl(tmp_path / "logs" / "control-1.jsonl", seed=1, rank=1,
+                  on_link=lambda peer, profile: again.append((peer, profile)))
+    assert again[-2:] == [(2, cut), (0, LinkProfile(loss=0.05))]
