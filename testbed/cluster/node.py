@@ -145,14 +145,14 @@ class Node:
     def run(self) -> int:
         from torch.distributed import TCPStore
 
-        if self.rank == 0:
-            self._store = serve_run_store("0.0.0.0", PORTS["drift"])
-        self._client = TCPStore(self.hosts[0], PORTS["drift"], is_master=False,
-                                timeout=datetime.timedelta(seconds=STORE_WAIT))
-        rejoin = self._client.check([f"start/{self.rank}"])
-        run_dir = self.run_dir = self._run_dir()
-        self.links.start()
+        self.links.start()  # first: a kernel that cannot shape them ends every worker at once
         try:
+            if self.rank == 0:
+                self._store = serve_run_store("0.0.0.0", PORTS["drift"])
+            self._client = TCPStore(self.hosts[0], PORTS["drift"], is_master=False,
+                                    timeout=datetime.timedelta(seconds=STORE_WAIT))
+            rejoin = self._client.check([f"start/{self.rank}"])
+            run_dir = self.run_dir = self._run_dir()
             spec = WorkerSpec(scenario=str(self.scenario_path), rank=self.rank,
                               world=self.scenario.count, hosts=self.hosts, run_dir=str(run_dir),
                               run_id=int(self._client.get(ID_KEY)), steps=self.steps,
