@@ -14,8 +14,16 @@ shard k. One call has two phases:
    broadcast overwrites it: copies lag where broadcasts were lost, they never diverge.
 
 Every `resync_every`-th step the broadcast goes over TCP instead, so all copies equal the
-owners' again. Each phase learns its own deadline (`estimate.AdaptiveDeadline`) from when its
-last chunk came in recent calls; a call that has everything in hand ends at once.
+owners' again.
+
+How long a phase waits for a peer has two parts, so that a peer that computed longer is not
+mistaken for a lossy link. Until its first chunk of the phase comes, a peer is waited for up to
+`straggler_timeout` (training is synchronous: the step waits for the slowest worker, as gloo
+would); from its first chunk on, its stream has the phase's transfer deadline
+(`estimate.AdaptiveDeadline`, learned from how long recent streams took from first to last
+chunk, whatever their start). A peer that sent nothing in time is absent: later calls do not
+wait for it until a datagram of its arrives again (a preempted or partitioned peer costs one
+timeout, not one per step). A call that has everything in hand ends at once.
 """
 
 from __future__ import annotations
@@ -98,8 +106,9 @@ class Lossy:
         rate: float | None = None,
         rcvbuf: int = 8 << 20,
         deadline_initial: float = 1.0,
-        deadline_floor: float = 0.005,
+        deadline_floor: float = 0.02,
         deadline_ceiling: float = 5.0,
+        straggler_timeout: float = 5.0,
         settle: float | None = 0.01,
         resync_every: int = 0,
         stream_addresses: Sequence[tuple[str, int]] | None = None,
@@ -109,7 +118,9 @@ class Lossy:
         listener: Listener | None = None,
         test_loss: SeededLoss | None = None,
     ) -> None:
-        """`mtu` sizes the datagrams and `rate` (bits/s) paces them (None: unpaced). With
+        """`mtu` sizes the datagrams and `rate` (bits/s) paces them (None: unpaced). The
+        `deadline_*` bound and seed the transfer deadline (seconds from a peer's first chunk of
+        a phase); `straggler_timeout` is how long a peer's first chunk is waited for. With
         `settle` (seconds) ends a phase once every sender's stream has ended and nothing came
         for that long (the rest was lost; None waits to the deadline). The workers meet over
         TCP at `stream_addresses` (default: `addresses`; TCP ports are apart from UDP's), with
@@ -129,6 +140,8 @@ class Lossy:
                 f"deadline_initial: needs 0 < deadline_floor <= deadline_initial <= "
                 f"deadline_ceiling, got {deadline_floor}, {deadline_initial}, {deadline_ceiling}"
             )
+        if straggler_timeout <= 0:
+            raise ValueError(f"straggler_timeout: expected seconds > 0, got {straggler_timeout}")
         if settle is not None and settle <= 0:
             raise ValueError(f"settle: expected seconds > 0 or None (wait to the deadline), "
                              f"got {settle}")
@@ -136,6 +149,7 @@ class Lossy:
             raise ValueError(f"resync_every: expected 0 (never) or more, got {resync_every}")
         self.rank, self.world, self.timeout = rank, world, timeout
         self.resync_every, self.test_loss, self.settle = resync_every, test_loss, settle
+        self.straggler_timeout = straggler_timeout
         # Peers in the order of the rounds: at round i a worker sends to rank + i and hears
         # from rank - i, so reliable broadcasts pair up and never wait on each other.
         self.peers = [(rank + i) % world for i in range(1, world)]
@@ -144,7 +158,10 @@ class Lossy:
                              initial=deadline_initial)
             for _ in range(2)
         )
-        self._calls = 0
+        self._step, self._in_step = -1, 0  # calls within one step are numbered (the bucket)
+        # Peers that sent nothing in time, with their received-datagram count then: they are
+        # not waited for until that count moves.
+        self._absent: dict[int, int] = {}
         self._mesh: StreamMesh | None = None  # set below; None only if building it failed
         self._listener = listener
         self._sender: ThreadPoolExecutor | None = None
@@ -208,9 +225,13 @@ class Lossy:
         """Gather `contribution`'s shards at their owners, broadcast what the owners make of
         them (the mean, or `update` of `fallback`'s shard with it) into a copy of `fallback`."""
         started = time.monotonic()
+        self.endpoint.poll()  # read what came since the last call: who is back, what is late
         before = self._counters()
-        bucket = self._calls % BUCKETS
-        self._calls += 1
+        if step != self._step:
+            self._step, self._in_step = step, 0
+        bucket = self._in_step % BUCKETS  # by step, not by call: a rejoining worker agrees
+        self._in_step += 1
+        self._notice_returns(before.received)
         chunk_numel = self.endpoint.chunk_numel(codec_of(contribution.dtype))
         shards = torch.tensor_split(contribution, self.world)
         sizes = [shard.numel() for shard in shards]
@@ -237,7 +258,7 @@ class Lossy:
             received = self._broadcast_reliably(payload, step, bucket, sizes, chunk_numel)
         else:
             received = self._broadcast(payload, step, bucket, sizes, chunk_numel,
-                                       broadcast_deadline, started + gather_deadline)
+                                       broadcast_deadline)
         broadcast = time.monotonic()
         # Per chunk of each shard: how many workers' values are in `result` there.
         contributions = {self.rank: accumulator.weight}
@@ -282,6 +303,7 @@ class Lossy:
                 "datagrams_lost": float(sum(lost.values())),
                 "rcvbuf_drops": float(after.rcvbuf_drops - before.rcvbuf_drops),
                 "resync": float(reliable),
+                "peers_absent": float(len(self._absent)),
             },
             chunk_coverage=own_coverage,
             missing=missing, late=late, lost=lost,
@@ -291,13 +313,13 @@ class Lossy:
         self, own: torch.Tensor, step: int, bucket: int, chunk_numel: int, started: float,
         deadline: float,
     ) -> tuple[ChunkAccumulator, dict[int, int]]:
-        """This owner's shard: every contribution that came within `deadline` seconds of
-        `started`, per chunk, and how many chunks of each peer's did not."""
+        """This owner's shard: every contribution that came in time (`_collect`), per chunk,
+        and how many chunks of each peer's did not."""
         accumulator = ChunkAccumulator(own.numel(), chunk_numel, dtype=own.dtype)
         accumulator.add_all(own)
         landed = {peer: torch.empty_like(own) for peer in self.peers}
         arrived = self._collect(Kind.GRADIENT, step, bucket, landed, chunk_numel, started,
-                                started + deadline, self.gather_deadline)
+                                deadline, self.gather_deadline)
         missing = {}
         for peer in self.peers:
             values = landed.pop(peer)  # freed as soon as it is added
@@ -309,21 +331,18 @@ class Lossy:
 
     def _broadcast(
         self, payload: torch.Tensor, step: int, bucket: int, sizes: Sequence[int],
-        chunk_numel: int, deadline: float, others_start_by: float,
+        chunk_numel: int, deadline: float,
     ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """Send this owner's payload to every peer as datagrams; per other owner, its payload
-        as far as it came, and which of its chunks did. The wait ends `deadline` seconds after
-        this broadcast started or after `others_start_by` (when every other owner's gather
-        ended, at the latest), whichever is later: a slower owner's broadcast is not cut off
-        for starting late."""
+        as far as it came (`_collect`: an owner whose gather ended later than this one's
+        starts its broadcast later, and is waited for), and which of its chunks did."""
         started = time.monotonic()
         for peer in self.peers:
             self.endpoint.send_tensor(peer, Kind.PARAMETER, step, bucket, payload)
         landed = {owner: torch.empty(_payload_length(sizes[owner], chunk_numel),
                                      dtype=payload.dtype) for owner in self.peers}
         arrived = self._collect(Kind.PARAMETER, step, bucket, landed, chunk_numel, started,
-                                max(started, others_start_by) + deadline,
-                                self.broadcast_deadline)
+                                deadline, self.broadcast_deadline)
         return {owner: (values, arrived[owner]) for owner, values in landed.items()}
 
     def _broadcast_reliably(
@@ -353,18 +372,30 @@ class Lossy:
 
     def _collect(
         self, kind: Kind, step: int, bucket: int, landed: Mapping[int, torch.Tensor],
-        chunk_numel: int, started: float, until: float, learner: AdaptiveDeadline,
+        chunk_numel: int, started: float, transfer: float, learner: AdaptiveDeadline,
     ) -> dict[int, torch.Tensor]:
         """Write each sender's chunks of (kind, step, bucket) into `landed[sender]` as they
-        come, until time.monotonic() `until`; per sender, which of its chunks came (less those
-        a test loss model discards). Teaches `learner` how long after `started` the last came."""
+        come: a present sender's first chunk is waited for up to `straggler_timeout` after
+        `started`, an absent one's not at all, and each stream for `transfer` seconds from its
+        first chunk. Per sender, which of its chunks came (less those a test loss model
+        discards). Teaches `learner` how long the streams took; marks who sent nothing."""
         counts = {sender: _chunk_count(out.numel(), chunk_numel) for sender, out in landed.items()}
         expected = set().union(*(expected_chunks([sender], out.numel(), chunk_numel)
                                  for sender, out in landed.items()))
-        collected = self.endpoint.collect(kind, step, bucket, expected, until,
-                                          settle=self.settle, into=landed)
-        if collected.last_arrival is not None:
-            learner.observe(max(0.0, collected.last_arrival - started), collected.late)
+        start_by = {sender: started if sender in self._absent
+                    else started + self.straggler_timeout for sender in landed}
+        collected = self.endpoint.collect(
+            kind, step, bucket, expected, started + self.straggler_timeout + transfer,
+            settle=self.settle, into=landed, transfer=transfer, start_by=start_by)
+        present = [s for s in collected.first_arrivals if s not in self._absent]
+        if present:
+            took = max(collected.last_arrivals[s] - collected.first_arrivals[s] for s in present)
+            learner.observe(took, sum(collected.late_from.get(s, 0) for s in present))
+        if any(sender not in collected.first_arrivals for sender in landed):
+            received = self._counters().received
+            for sender in landed:
+                if sender not in collected.first_arrivals:
+                    self._absent.setdefault(sender, received.get(sender, 0))
         n = len(collected.chunks)
         senders = np.fromiter((chunk.sender for chunk in collected.chunks), np.int64, n)
         indexes = np.fromiter((chunk.index for chunk in collected.chunks), np.int64, n)
@@ -378,6 +409,12 @@ class Lossy:
                 mask &= ~torch.from_numpy(lost)
         return arrived
 
+    def _notice_returns(self, received: Mapping[int, int]) -> None:
+        """An absent peer whose datagrams came again (even late ones) is waited for again."""
+        for peer, then in list(self._absent.items()):
+            if received.get(peer, 0) > then:
+                del self._absent[peer]
+
     def _counters(self) -> _Counters:
         datagrams = self.endpoint.counters()
         streams = self._mesh.counters() if self._mesh is not None else {}
@@ -387,6 +424,7 @@ class Lossy:
                                for c in [*datagrams.values(), *streams.values()]),
             late={peer: c.datagrams_late for peer, c in datagrams.items()},
             lost={peer: c.datagrams_lost for peer, c in datagrams.items()},
+            received={peer: c.datagrams_received for peer, c in datagrams.items()},
             rcvbuf_drops=self.endpoint.socket_counters().rcvbuf_drops,
         )
 
@@ -399,6 +437,7 @@ class _Counters:
     bytes_received: int
     late: dict[int, int]
     lost: dict[int, int]
+    received: dict[int, int]
     rcvbuf_drops: int
 
 

@@ -64,6 +64,7 @@ DRAIN_BATCH = 1024  # datagrams read per drain, so a flood cannot hold a deadlin
 # A sender's stream has ended once one of its last TAIL chunks came: paced datagrams of one
 # stream arrive in order, so what it still lacks then was lost, not in flight.
 TAIL = 4
+JOINED_LATE = 64  # a stream first seen at this sequence number or beyond was joined late
 BURST_SECONDS = 0.002  # default pacing burst: 2 ms of traffic (a wake-up is late by ~1 ms)
 
 Key = tuple[int, int, int]  # (kind, step, bucket)
@@ -110,13 +111,17 @@ class Chunk:
 class Collected:
     """What `collect` got for one key: the chunks (first copy of each (sender, index)), the
     expected (sender, index) pairs that did not come in time, how many datagrams of this kind
-    came late for keys closed before (a deadline that was too short), and when the last
-    in-time chunk came (time.monotonic(); None if none did)."""
+    came late for keys closed before (a deadline that was too short), in all and per sender,
+    and when the last in-time chunk came (time.monotonic(); None if none did). Per sender
+    that sent any in time: when its first and its last chunk of the key came."""
 
     chunks: list[Chunk]
     missing: set[tuple[int, int]]
     late: int
     last_arrival: float | None
+    late_from: dict[int, int] = dataclasses.field(default_factory=dict)
+    first_arrivals: dict[int, float] = dataclasses.field(default_factory=dict)
+    last_arrivals: dict[int, float] = dataclasses.field(default_factory=dict)
 
 
 @dataclass
@@ -125,9 +130,22 @@ class _Awaited:
 
     key: Key
     wanted: set[tuple[int, int]]
+    outstanding: Counter[int]  # per sender, how many of its wanted chunks have not come
     ended: set[int]  # senders whose stream reached its tail
     newest: float  # when its newest chunk came
     landings: dict[int, _Landing]
+    first: dict[int, float]  # per sender, when its first chunk of the key came
+    last: dict[int, float]  # per sender, when its latest chunk of the key came
+
+    def arrived(self, sender: int, index: int, count: int, now: float) -> None:
+        if (sender, index) in self.wanted:
+            self.wanted.discard((sender, index))
+            self.outstanding[sender] -= 1
+        self.first.setdefault(sender, now)
+        self.last[sender] = now
+        self.newest = max(self.newest, now)
+        if index >= count - TAIL:
+            self.ended.add(sender)
 
 
 EMPTY = memoryview(b"")
@@ -190,9 +208,11 @@ class _Sequence:
         self.incarnation = incarnation
         self.window = window
         self.full = (1 << window) - 1
-        # Streams start at 0; one first seen beyond the window was joined late (this endpoint
-        # restarted), and counting from 0 would call everything before it lost.
-        self.base = first if first >= window else 0
+        # Streams start at 0; one first seen at JOINED_LATE or beyond was joined late (this
+        # endpoint restarted while its peers went on), and counting from 0 would call everything
+        # before it lost. (A fresh stream whose first JOINED_LATE datagrams were all lost is
+        # counted from its first arrival instead: at most that many uncounted.)
+        self.base = first if first >= JOINED_LATE else 0
         self.highest = self.base - 1
         self.seen = 0
         self.received = 0
@@ -280,7 +300,7 @@ class DatagramEndpoint:
         self._awaited: _Awaited | None = None
         self._closed: set[Key] = set()
         self._closed_below = 0  # every step below this is closed
-        self._late: Counter[int] = Counter()  # per kind
+        self._late: Counter[tuple[int, int]] = Counter()  # per (kind, sender)
         for peer, peer_address in (peers or {}).items():
             self.add_peer(peer, peer_address)
 
@@ -349,6 +369,8 @@ class DatagramEndpoint:
         *,
         settle: float | None = None,
         into: Mapping[int, torch.Tensor] | None = None,
+        transfer: float | None = None,
+        start_by: Mapping[int, float] | None = None,
     ) -> Collected:
         """Chunks of (kind, step, bucket) until every expected (sender, index) came or
         time.monotonic() passes `deadline`. The key is closed afterwards: later chunks of it
@@ -363,11 +385,19 @@ class DatagramEndpoint:
         contiguous; chunk i at element i * chunk_numel) as they come instead of being kept:
         their `Collected.chunks` carry no payload, and a chunk that is not one of a tensor of
         that length and dtype is left out as if it never came. Nothing but the destination
-        holds the data, which keeps a large collect's memory at the tensor's size."""
+        holds the data, which keeps a large collect's memory at the tensor's size.
+
+        With `transfer`, each sender gets its own limit: `transfer` seconds after its first
+        chunk of the key came, or, while none has, until `start_by[sender]` (time.monotonic();
+        default `deadline`). The wait ends once no sender that still owes chunks is within its
+        limit. So a sender that starts late (it computed longer) is waited for as long as
+        `start_by` allows, and its stream as long as a stream takes, whatever its start;
+        `deadline` still bounds the whole wait."""
         key = (int(kind), step, bucket)
         if step < self._closed_below or key in self._closed:
             raise ValueError(f"collect: {Kind(kind).name} step {step} bucket {bucket} is closed")
-        late_before = self._late[key[0]]
+        late_before = Counter({sender: count for (kind_, sender), count in self._late.items()
+                               if kind_ == key[0]})
         got = self._pending.setdefault(key, {})
         landings = {sender: _Landing(out, self._full[codec_of(out.dtype)] // out.element_size())
                     for sender, out in (into or {}).items()}
@@ -379,34 +409,63 @@ class DatagramEndpoint:
                 got[spot] = dataclasses.replace(chunk, payload=EMPTY)
             else:
                 del got[spot]
-        senders = {sender for sender, _ in expected}
+        wanted = set(expected) - got.keys()
         awaited = self._awaited = _Awaited(
-            key,
-            set(expected) - got.keys(),
-            {c.sender for c in got.values() if c.index >= c.count - TAIL},
-            max((c.arrival for c in got.values()), default=time.monotonic()),
-            landings,
+            key, wanted, Counter(sender for sender, _ in wanted), set(),
+            -math.inf, landings, {}, {},
         )
+        for chunk in sorted(got.values(), key=lambda c: c.arrival):
+            awaited.arrived(chunk.sender, chunk.index, chunk.count, chunk.arrival)
+        if not got:
+            awaited.newest = time.monotonic()
         try:
             self._drain()
-            while awaited.wanted and (remaining := deadline - time.monotonic()) > 0:
-                if settle is not None and awaited.ended >= senders:
-                    quiet = awaited.newest + settle - time.monotonic()
-                    if quiet <= 0:
+            while awaited.wanted:
+                now = time.monotonic()
+                limits = self._limits(awaited, deadline, transfer, start_by or {}, now)
+                if not limits:
+                    break
+                until = max(limits.values())
+                if settle is not None and awaited.ended >= limits.keys():
+                    quiet = awaited.newest + settle
+                    if quiet <= now:
                         break
-                    remaining = min(remaining, quiet)
-                self._wait(remaining)
+                    until = min(until, quiet)
+                self._wait(until - now)
         finally:
             self._awaited = None
             del self._pending[key]
             self._close(key)
         chunks = list(got.values())
+        late_from = {sender: count - late_before[sender]
+                     for (kind_, sender), count in self._late.items()
+                     if kind_ == key[0] and count > late_before[sender]}
         return Collected(
             chunks=chunks,
             missing=awaited.wanted,
-            late=self._late[key[0]] - late_before,
+            late=sum(late_from.values()),
             last_arrival=max((c.arrival for c in chunks), default=None),
+            late_from=late_from,
+            first_arrivals=awaited.first,
+            last_arrivals=awaited.last,
         )
+
+    @staticmethod
+    def _limits(awaited: _Awaited, deadline: float, transfer: float | None,
+                start_by: Mapping[int, float], now: float) -> dict[int, float]:
+        """The senders that still owe chunks and are within their limit, with that limit."""
+        limits = {}
+        for sender, owed in awaited.outstanding.items():
+            if owed <= 0:
+                continue
+            limit = deadline
+            if transfer is not None:
+                first = awaited.first.get(sender)
+                limit = min(deadline, first + transfer if first is not None
+                            else start_by.get(sender, deadline))
+            if limit > now:
+                limits[sender] = limit
+        return limits
 
     def poll(self, timeout: float = 0.0) -> None:
         """Read what is queued, waiting up to `timeout` seconds for something to come."""
@@ -488,7 +547,7 @@ class DatagramEndpoint:
         key = (header.kind, header.step, header.bucket)
         if header.step < self._closed_below or key in self._closed:
             counters.datagrams_late += 1
-            self._late[header.kind] += 1
+            self._late[header.kind, sender] += 1
             return
         payload = datagram[HEADER_SIZE:]
         awaited = self._awaited
@@ -501,10 +560,7 @@ class DatagramEndpoint:
         chunk = Chunk(sender, header.chunk, header.chunks, CODECS[header.codec], payload, now)
         self._pending.setdefault(key, {}).setdefault((sender, header.chunk), chunk)
         if awaited is not None and awaited.key == key:
-            awaited.wanted.discard((sender, header.chunk))
-            awaited.newest = now
-            if header.chunk >= header.chunks - TAIL:
-                awaited.ended.add(sender)
+            awaited.arrived(sender, header.chunk, header.chunks, now)
 
     def _sequence(self, sender: int, incarnation: int, seq: int) -> _Sequence | None:
         """The sender's stream; a new incarnation (the sender restarted) retires the old one,
@@ -538,7 +594,7 @@ class DatagramEndpoint:
         for old in [k for k in self._pending if k[1] < floor]:
             for chunk in self._pending.pop(old).values():
                 self._counters[chunk.sender].datagrams_late += 1
-                self._late[old[0]] += 1
+                self._late[old[0], chunk.sender] += 1
 
     # -- sending ----------------------------------------------------------------------------
 

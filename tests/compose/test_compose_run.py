@@ -101,12 +101,19 @@ def test_a_compose_run_is_shaped_scraped_live_and_leaves_nothing(docker_engine, 
             found if len(found := _query("testbed_step > 40")) == 3 else None))
         assert {key.split("rank=")[1].split(",")[0] for key in steps} == {"0", "1", "2"}
 
-        # The link 0->1 was set to 40% loss at step 20, in worker 1's container only.
+        # The link 0->1 was set to 40% loss at step 10, in worker 1's container only: its
+        # gauge says so (the others keep 1%), and the sequence numbers show the loss there.
+        configured = _query('sum by (rank, peer) (testbed_link_loss_ratio{direction="in"})')
+        assert configured.pop("peer=0,rank=1") == pytest.approx(0.4), configured
+        assert len(configured) == 5 and set(configured.values()) == {0.01}, configured
         lost = _query("sum by (rank, peer) (testbed_datagrams_lost_total)")
         into_1 = lost.get("peer=0,rank=1", 0.0)
         others = {key: value for key, value in lost.items() if key != "peer=0,rank=1"}
         assert into_1 > 20, lost
         assert into_1 > 3 * max(others.values(), default=0.0), lost
+        # The workers stay in step: what is missing was lost, not late.
+        late = _query("sum(testbed_datagrams_late_total)")
+        assert sum(late.values()) < into_1 / 4, (late, lost)
         profile = _query('testbed_link_profile_info{rank="1"}')
         assert profile, "worker 1 exports no link profile"
 

@@ -5,6 +5,8 @@ mean is an unbiased estimate is tests/unit/test_estimate.py's concern."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from concurrently import concurrently
@@ -187,24 +189,94 @@ def test_a_periodic_resync_over_tcp_makes_every_copy_the_owners():
         close_all(group)
 
 
-def test_a_silent_peer_is_named_and_the_others_go_on_after_the_deadline():
-    world, numel = 3, 10_000
-    group = lossy_group(world, deadline=0.2)
+def test_a_silent_peer_is_named_waited_for_once_then_not_until_it_speaks_again():
+    """Worker 2 sends nothing: the others wait `straggler_timeout` for its first chunk, name it
+    missing, and go on with what they have; the next call does not wait for it (it is absent),
+    and once its datagrams come again it is waited for and included again."""
+    world, numel, timeout = 3, 10_000, 1.0
+    group = lossy_group(world, deadline=0.2, straggler_timeout=timeout)
     try:
         inputs = seeded(world, numel)
+        for step in (0, 1):
+            results = concurrently(*(
+                lambda r=r, step=step: group[r].allreduce(inputs[r], step=step)
+                for r in range(world - 1)
+            ))
+            shards = bounds(numel, world)
+            for rank, (result, stats) in enumerate(results):
+                assert stats.peers_missing == (2,)
+                assert stats.extra["deadline_seconds"] == 0.2
+                assert stats.extra["peers_absent"] == 1.0
+                # The silent worker's shard stands as this worker's own value; the others'
+                # shards are the mean of the two that spoke.
+                torch.testing.assert_close(result[shards[2]], inputs[rank][shards[2]])
+                torch.testing.assert_close(result[: shards[2].start],
+                                           (inputs[0] + inputs[1])[: shards[2].start] / 2)
+                assert stats.coverage == pytest.approx((2 / 3 * 2 / 3) + 1 / 3 * 1 / 3,
+                                                       abs=1e-3)
+                if step == 0:  # waited for its first chunk
+                    assert stats.seconds >= timeout, stats.seconds
+                else:  # absent: not waited for
+                    assert stats.seconds < timeout, stats.seconds
+        # Worker 2 comes back (it is late for steps 0 and 1, whose datagrams count as late):
+        # from then on everyone waits for it again.
+        for step in (0, 1):  # what the others sent it is there already: no wait
+            group[2].allreduce(inputs[2], step=step)
         results = concurrently(*(
-            lambda r=r: group[r].allreduce(inputs[r], step=0) for r in range(world - 1)
+            lambda r=r: group[r].allreduce(inputs[r], step=2) for r in range(world)
         ))
-        shards = bounds(numel, world)
-        for rank, (result, stats) in enumerate(results):
-            assert stats.peers_missing == (2,)
-            assert stats.extra["deadline_seconds"] == 0.2
-            # The silent worker's shard stands as this worker's own value; the others'
-            # shards are the mean of the two that spoke.
-            torch.testing.assert_close(result[shards[2]], inputs[rank][shards[2]])
-            torch.testing.assert_close(result[: shards[2].start],
-                                       (inputs[0] + inputs[1])[: shards[2].start] / 2)
-            assert stats.coverage == pytest.approx((2 / 3 * 2 / 3) + 1 / 3 * 1 / 3, abs=1e-3)
+        for result, stats in results:
+            assert stats.coverage == 1.0 and stats.peers_missing == ()
+            torch.testing.assert_close(result, sum(inputs) / world)
+    finally:
+        close_all(group)
+
+
+def test_a_peer_that_computes_longer_than_the_deadline_is_waited_for_not_lost():
+    """The transfer deadline counts from a peer's first chunk: a peer that starts its call
+    long after the others (it computed longer) is still waited for, and its chunks count."""
+    world, numel, lag = 3, 30_000, 0.6
+    group = lossy_group(world, deadline=0.05, straggler_timeout=10.0)
+    try:
+        inputs = seeded(world, numel)
+        release = threading.Event()
+
+        def late_worker():
+            assert release.wait(30)
+            return group[2].allreduce(inputs[2], step=0)
+
+        def on_time(rank):
+            if rank == 0:
+                threading.Timer(lag, release.set).start()
+            return group[rank].allreduce(inputs[rank], step=0)
+
+        results = concurrently(lambda: on_time(0), lambda: on_time(1), late_worker)
+        for result, stats in results:
+            assert stats.coverage == 1.0, stats
+            torch.testing.assert_close(result, sum(inputs) / world)
+        assert results[0][1].seconds >= lag
+    finally:
+        close_all(group)
+
+
+def test_a_worker_that_missed_steps_meets_the_others_at_the_step_it_rejoins():
+    """Calls are told apart by step (and their order within it), not by how many calls a
+    worker made: one that was away for steps 0-4 (preempted, restarted) exchanges with the
+    others from the step it comes back at."""
+    world, numel = 3, 5_000
+    group = lossy_group(world, deadline=1.0, straggler_timeout=0.5)
+    try:
+        inputs = seeded(world, numel)
+        for step in range(5):
+            concurrently(*(lambda r=r, step=step: group[r].allreduce(inputs[r], step=step)
+                           for r in range(world - 1)))
+        # Step 5: it is back (whether the others notice in time is a race); step 6: whole.
+        for step in (5, 6):
+            results = concurrently(*(lambda r=r, step=step: group[r].allreduce(inputs[r], step=step)
+                                     for r in range(world)))
+        for result, stats in results:
+            assert stats.coverage == 1.0 and stats.peers_missing == (), stats
+            torch.testing.assert_close(result, sum(inputs) / world)
     finally:
         close_all(group)
 
