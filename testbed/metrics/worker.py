@@ -264,14 +264,17 @@ class WorkerMetrics:
 
     def _advance(self, counter: Counter, labels: tuple[str, ...], total: float) -> None:
         """Bring `counter` up to a cumulative `total`; a total below the last one (the source
-        was replaced and counts from 0 again) counts its whole value."""
+        was replaced and counts from 0 again) counts its whole value. The series exists from
+        the first observation, at 0 if nothing happened yet, so queries see a zero rate
+        rather than no data."""
         key = (counter, labels)
         with self._lock:
             last = self._last.get(key, 0.0)
             self._last[key] = total
         increment = total - last if total >= last else total
+        child = counter.labels(self.rank, *labels)
         if increment > 0:
-            counter.labels(self.rank, *labels).inc(increment)
+            child.inc(increment)
 
     # Feeding.
     def record_step(
