@@ -5,7 +5,12 @@ timeline's faults, the report renders, and nothing of the network is left."""
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from typer.testing import CliRunner
@@ -81,17 +86,10 @@ def test_the_quickstart_runs_in_a_guest_when_this_kernel_lacks_netem(tmp_path: P
     assert (out / "index.html").exists()
 
 
-def test_a_run_killed_with_sigkill_is_cleaned_up_by_testbed_clean(tmp_path: Path):
-    """The runner dies without its clean-up: its namespaces and worker processes stay until
-    `testbed clean`, which removes exactly them (checked against the kernel's lists)."""
-    import signal
-    import subprocess
-    import sys
-    import time
-
+def _long_run(tmp_path: Path) -> tuple[Any, set[str], list[int]]:
+    """`testbed run` of an endless scenario in a process of its own, once training started:
+    (the process, the namespaces it made, their worker processes)."""
     from pyroute2 import netns
-
-    from netem.lab import lab_namespaces
 
     scenario = tmp_path / "long.yaml"
     scenario.write_text(SCENARIO.replace(f"steps: {STEPS}", "steps: 100000").replace(
@@ -111,18 +109,52 @@ def test_a_run_killed_with_sigkill_is_cleaned_up_by_testbed_clean(tmp_path: Path
         workers = [int(pid) for name in made for pid in subprocess.run(
             ["ip", "netns", "pids", name], capture_output=True, text=True).stdout.split()]
         assert made and workers
-    finally:
-        runner.send_signal(signal.SIGKILL)
+    except BaseException:
+        runner.kill()
         runner.wait()
-    assert set(netns.listnetns()) - before == made, "SIGKILL left nothing to clean?"
+        raise
+    return runner, made, workers
+
+
+def test_a_run_killed_with_sigkill_is_cleaned_up_by_testbed_clean(tmp_path: Path):
+    """The runner dies without its clean-up: its namespaces and worker processes stay until
+    `testbed clean`, which removes exactly them (checked against the kernel's lists)."""
+    from pyroute2 import netns
+
+    runner, made, workers = _long_run(tmp_path)
+    runner.send_signal(signal.SIGKILL)
+    runner.wait()
+    assert set(netns.listnetns()) & made == made, "SIGKILL left nothing to clean?"
 
     result = CliRunner().invoke(app, ["clean"])
 
     assert result.exit_code == 0, result.output
-    assert set(netns.listnetns()) - before == set(), "testbed clean left namespaces"
+    assert not set(netns.listnetns()) & made, "testbed clean left namespaces"
     assert not [name for name in made if name in lab_namespaces()]
     for pid in workers:
         assert _ends(pid, within=10.0), f"worker {pid} survived testbed clean"
+
+
+def test_ctrl_c_stops_a_run_and_removes_everything_it_made(tmp_path: Path):
+    """SIGINT (Ctrl-C) mid-run: the run ends with exit code 130, its namespaces and worker
+    processes are gone without `testbed clean`, and its run directory says it was
+    interrupted."""
+    from pyroute2 import netns
+
+    runner, made, workers = _long_run(tmp_path)
+    runner.send_signal(signal.SIGINT)
+    try:
+        code = runner.wait(60)
+    except subprocess.TimeoutExpired:
+        runner.kill()
+        raise AssertionError("the run did not end within 60 s of Ctrl-C") from None
+
+    assert code == 130
+    assert not set(netns.listnetns()) & made, "Ctrl-C left namespaces"
+    for pid in workers:
+        assert _ends(pid, within=10.0), f"worker {pid} survived Ctrl-C"
+    summary = json.loads(next((tmp_path / "run").rglob("summary.json")).read_text())
+    assert summary["success"] is False and "interrupted" in summary["error"], summary
 
 
 def _ends(pid: int, within: float) -> bool:
