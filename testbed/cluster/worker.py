@@ -8,9 +8,10 @@ straggler wait), applies the straggler bursts the runner appends to its control 
 prints one JSON line per step on stdout for the runner's live display, then a final
 `{"done": true, ...}` line, after which it keeps /metrics up for `metrics.linger` seconds (the
 runner ends that sooner, once every worker is done). A worker restarted after a preemption
-(`rejoin`) resumes after the step the most advanced live worker finished and, with a
-collective that can (Moshpit), first pulls the current parameters from a live peer; the others
-start step 0 together, after a barrier. Exit 0 on success, 1 on a training error (the traceback
+(`rejoin`) first pulls the current parameters from a live peer (Moshpit from its group; any
+other collective through the run's store, where a live worker answers between its steps) and
+resumes after the step the most advanced live worker finished; the others start step 0
+together, after a barrier. Exit 0 on success, 1 on a training error (the traceback
 on stderr), 143 on SIGTERM; the collective, the metrics server and the event file are closed in
 every case.
 """
@@ -35,6 +36,7 @@ from typing import Any
 PORTS = {"collective": 29500, "stream": 29501, "store": 29502, "drift": 29503, "metrics": 9100}
 EXCHANGE_WAIT = 5.0  # seconds to wait for the other workers' figures before skipping them
 START_WAIT = 300.0  # seconds the workers wait for each other to be ready for step 0
+PULL_WAIT = 60.0  # seconds a rejoining worker waits for a live one to send its parameters
 
 
 class SpecError(ValueError):
@@ -158,6 +160,8 @@ class PeerExchange:
         self.spec = spec
         self.store = TCPStore(spec.hosts[0], spec.port("drift", 0), is_master=False,
                               timeout=datetime.timedelta(seconds=60))
+        # Requests for parameters made before this worker started are not its to answer.
+        self._answered = self.store.add("parameters/asked", 0)
 
     def _meet(self, name: str, value: bytes, timeout: float) -> list[str]:
         """Post this worker's `value` under `name`; every worker's key, once all are there.
@@ -184,6 +188,36 @@ class PeerExchange:
     def report_progress(self, step: int) -> None:
         """This worker finished `step` (what a rejoining worker reads)."""
         self.store.set(f"progress/{self.spec.rank}", str(step))
+
+    def request_parameters(self, timeout: float) -> tuple[int, Any] | None:
+        """A rejoining worker asks the live ones for their parameters (for collectives that
+        cannot hand them over themselves): (the step the sender had finished, its flat
+        parameter vector), or None if no live worker answered within `timeout` seconds."""
+        import torch
+
+        number = self.store.add("parameters/asked", 1)
+        try:
+            self.store.wait([f"parameters/{number}"], datetime.timedelta(seconds=timeout))
+        except RuntimeError:  # a timeout: c10d raises DistStoreError, a RuntimeError
+            return None
+        reply = bytearray(self.store.get(f"parameters/{number}"))
+        step = int.from_bytes(reply[:8], "big", signed=True)
+        return step, torch.frombuffer(reply[8:], dtype=torch.float32)
+
+    def answer_parameters(self, step: int, parameters: Callable[[], Any]) -> None:
+        """A live worker between steps: answer the requests made since its last look (the
+        first live worker to claim one answers it) with `parameters()` after `step`."""
+        import torch
+
+        asked = self.store.add("parameters/asked", 0)
+        while self._answered < asked:
+            self._answered += 1
+            key = f"parameters/{self._answered}"
+            claim = self.store.compare_set(f"{key}/by", "", str(self.spec.rank))
+            if claim.decode() == str(self.spec.rank):
+                vector = parameters().detach().to(dtype=torch.float32).contiguous()
+                self.store.set(key, step.to_bytes(8, "big", signed=True)
+                               + vector.numpy().tobytes())
 
     def progress(self) -> int:
         """The last step the most advanced other worker finished (-1: none yet)."""
@@ -368,9 +402,15 @@ class Worker:
                   slowdown=scenario.slowdown(spec.rank))
         if hasattr(collective, "set_shapes"):  # a compressor that works per weight matrix
             collective.set_shapes([tuple(p.shape) for p in job.parameters])
-        if spec.rejoin:  # where the others are, with their parameters if the collective can
+        if spec.rejoin:  # where the others are, with their parameters
             start = exchange.progress() + 1
-            state = collective.pull_state() if hasattr(collective, "pull_state") else None
+            if hasattr(collective, "pull_state"):  # Moshpit: from its group
+                state = collective.pull_state()
+            else:  # through the run's store, from a live worker
+                answer = exchange.request_parameters(PULL_WAIT)
+                state = None if answer is None else answer[1]
+                if answer is not None:
+                    start = max(start, answer[0] + 1)
             if state is not None:
                 vector_to_parameters(state.to(torch_dtype(job)), job.parameters)
             writer.event("rejoin", rank=spec.rank, step=start, pulled=state is not None)
@@ -392,6 +432,8 @@ class Worker:
             record = job.step(step, extra_delay=control.delay())
             if rejoinable:
                 exchange.report_progress(step)
+                exchange.answer_parameters(
+                    step, lambda: parameters_to_vector(job.parameters))
             computes[step] = record.compute_seconds
             if config.eval_every and (step + 1) % config.eval_every == 0:
                 record.evaluation = job.evaluate()

@@ -549,6 +549,7 @@ class Scenario(_Model):
             problems.append((("collective", "compressor", "kind"), f"{compressor} needs a "
                              "collective with a reliable neighbour exchange (ring, lossy, "
                              "gloo); over moshpit use randk, powersgd or none"))
+        problems.extend(self._check_rejoin())
         if "seed" in self.job.model_fields_set:
             problems.append((("job", "seed"), "set seed at the top level of the scenario"))
         if problems:
@@ -556,6 +557,27 @@ class Scenario(_Model):
         return self
 
     # -- checks across sections
+
+    def _check_rejoin(self) -> Iterator[tuple[Loc, str]]:
+        """A restarted worker needs a collective that can take it back: Moshpit (groups form
+        anew every round), or lossy without the TCP paths fixed at its start (its resync, the
+        compressors that exchange over them). Ring and gloo keep the peers of their start."""
+        restarts = [i for i, event in enumerate(self.timeline) if event.action == "restart"]
+        if not restarts:
+            return
+        kind, compressor = self.collective.kind, self.collective.compressor.kind
+        if kind in ("ring", "gloo"):
+            why = (f"collective {kind} cannot take a worker back (its peers are fixed at the "
+                   "start); use moshpit or lossy, or kill without restart")
+        elif kind == "lossy" and getattr(self.collective, "resync_every", 0):
+            why = ("a restarted worker has no TCP streams to lossy's resync: set "
+                   "collective.resync_every to 0, or kill without restart")
+        elif kind == "lossy" and compressor in COMPRESSOR_NEEDS_EXCHANGE:
+            why = (f"compressor {compressor} exchanges over lossy's TCP streams, which a "
+                   "restarted worker has not: use randk, powersgd or none")
+        else:
+            return
+        yield ("timeline", restarts[0], "restart"), why
 
     def _worker_problems(self, loc: Loc, workers: list[int]) -> Iterator[tuple[Loc, str]]:
         count = self.workers.count

@@ -59,6 +59,7 @@ topology:
   default: {loss: 1%}
   groups: {east: [0, 1], west: [2, 3]}
 job: {steps: 100}
+collective: {kind: moshpit}
 timeline:
   - {at: 2s, set_link: {link: {from: 0, to: 1}, profile: {loss: 5%}}, note: worse}
   - {at: 1s, set_link: {link: {between: [east, west]}, profile: {rate: 10mbit}}}

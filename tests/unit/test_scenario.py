@@ -153,6 +153,13 @@ INVALID = {
     "restart before any kill": (
         BASE + "timeline:\n  - {at: 5s, restart: 1}\n  - {at: 9s, kill: 1}\n",
         "timeline[0].restart", "worker 1 is restarted before any kill", 4),
+    "restart with a collective that cannot take a worker back": (
+        BASE + "timeline:\n  - {at: 5s, kill: 1}\n  - {at: 9s, restart: 1}\n",
+        "timeline[1].restart", "collective ring cannot take a worker back", 5),
+    "restart with lossy's resync": (
+        BASE + "collective: {kind: lossy, resync_every: 10}\n"
+        "timeline:\n  - {at: 5s, kill: 1}\n  - {at: 9s, restart: 1}\n",
+        "timeline[1].restart", "set collective.resync_every to 0", 6),
     "wrong type for workers": (
         "name: x\nworkers: four\n", "workers",
         "expected a number of workers or a mapping {count, overrides}, got 'four'", 2),
