@@ -28,7 +28,6 @@ timeout, not one per step). A call that has everything in hand ends at once.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -40,9 +39,9 @@ import torch
 from testbed.collectives.base import AllReduceStats
 from testbed.collectives.estimate import AdaptiveDeadline, ChunkAccumulator
 from testbed.transport.tcp import Listener, StreamMesh
-from testbed.transport.tensors import codec_of
-from testbed.transport.udp import DatagramEndpoint, expected_chunks
-from testbed.transport.wire import Kind
+from testbed.transport.tensors import codec_of, values_of
+from testbed.transport.udp import DatagramEndpoint, Landing, Sink, chunk_count
+from testbed.transport.wire import Codec, Kind
 
 BUCKETS = 1 << 32  # the datagram header's bucket field: calls are numbered modulo this
 
@@ -223,7 +222,12 @@ class Lossy:
         update: Update | None,
     ) -> tuple[torch.Tensor, LossyStats]:
         """Gather `contribution`'s shards at their owners, broadcast what the owners make of
-        them (the mean, or `update` of `fallback`'s shard with it) into a copy of `fallback`."""
+        them (the mean, or `update` of `fallback`'s shard with it) into a copy of `fallback`.
+
+        Both phases' keys are open before the first datagram goes out, so every chunk lands
+        where it belongs as it is read, whenever it comes: a peer's gradient chunks are added
+        into this owner's sums, an owner's broadcast chunks are written into its shard of the
+        result, their contribution counts into a small side buffer."""
         started = time.monotonic()
         self.endpoint.poll()  # read what came since the last call: who is back, what is late
         before = self._counters()
@@ -232,55 +236,84 @@ class Lossy:
         bucket = self._in_step % BUCKETS  # by step, not by call: a rejoining worker agrees
         self._in_step += 1
         self._notice_returns(before.received)
-        chunk_numel = self.endpoint.chunk_numel(codec_of(contribution.dtype))
+        codec = codec_of(contribution.dtype)
+        chunk_numel = self.endpoint.chunk_numel(codec)
         shards = torch.tensor_split(contribution, self.world)
         sizes = [shard.numel() for shard in shards]
         starts = [0, *np.cumsum(sizes).tolist()]
         mine = slice(starts[self.rank], starts[self.rank + 1])
-
-        for peer in self.peers:
-            self.endpoint.send_tensor(peer, Kind.GRADIENT, step, bucket, shards[peer])
-        gather_deadline = self.gather_deadline.seconds
-        accumulator, gather_missing = self._gather(shards[self.rank], step, bucket, chunk_numel,
-                                                   started, gather_deadline)
-        gathered = time.monotonic()
-        averaged = accumulator.mean()
-        fresh = averaged if update is None else update(starts[self.rank], fallback[mine],
-                                                       averaged)
         result = fallback.clone()  # where a broadcast chunk is missed, this value stands
-        result[mine] = fresh
-        payload = torch.cat([fresh.to(result.dtype), accumulator.weight.to(result.dtype)])
-
-        broadcasting = time.monotonic()
+        broadcast_numel = self.endpoint.chunk_numel(codec_of(result.dtype))
+        # sums in float32 at least (bfloat16 has no numpy type, and more bits cost nothing)
+        accumulator = ChunkAccumulator(sizes[self.rank], chunk_numel, dtype=torch.promote_types(
+            contribution.dtype, torch.float32))
+        accumulator.add_all(shards[self.rank])
+        # Per other owner: the contribution count of each chunk of its shard.
+        counts = {owner: torch.zeros(chunk_count(sizes[owner], broadcast_numel),
+                                     dtype=result.dtype) for owner in self.peers}
         reliable = self.resync_every > 0 and (step + 1) % self.resync_every == 0
-        broadcast_deadline = 0.0 if reliable else self.broadcast_deadline.seconds
-        if reliable:
-            received = self._broadcast_reliably(payload, step, bucket, sizes, chunk_numel)
-        else:
-            received = self._broadcast(payload, step, bucket, sizes, chunk_numel,
-                                       broadcast_deadline)
-        broadcast = time.monotonic()
-        # Per chunk of each shard: how many workers' values are in `result` there.
-        contributions = {self.rank: accumulator.weight}
+
+        gather_keep = self._open(Kind.GRADIENT, step, bucket, {
+            peer: _Accumulating(accumulator, codec) for peer in self.peers})
+        broadcast_keep = {} if reliable else self._open(Kind.PARAMETER, step, bucket, {
+            owner: Landing([result[starts[owner]:starts[owner + 1]], counts[owner]],
+                           broadcast_numel) for owner in self.peers})
+        try:
+            for peer in self.peers:
+                self.endpoint.send_tensor(peer, Kind.GRADIENT, step, bucket, shards[peer])
+            gather_deadline = self.gather_deadline.seconds
+            gather_arrived = self._collect(Kind.GRADIENT, step, bucket, gather_keep, started,
+                                           gather_deadline, self.gather_deadline)
+            gathered = time.monotonic()
+            own = result[mine]
+            if update is None:
+                accumulator.mean(out=own)
+            else:
+                averaged = accumulator.mean(out=accumulator.total).to(contribution.dtype)
+                own.copy_(update(starts[self.rank], fallback[mine], averaged))
+            own_counts = accumulator.weight.to(result.dtype)
+
+            broadcasting = time.monotonic()
+            broadcast_deadline = 0.0 if reliable else self.broadcast_deadline.seconds
+            if reliable:
+                broadcast_arrived = self._broadcast_reliably(
+                    result, counts, own_counts, step, bucket, starts, broadcast_numel)
+            else:
+                for peer in self.peers:
+                    self.endpoint.send_tensor(peer, Kind.PARAMETER, step, bucket,
+                                              (own, own_counts))
+                broadcast_arrived = self._collect(
+                    Kind.PARAMETER, step, bucket, broadcast_keep, broadcasting,
+                    broadcast_deadline, self.broadcast_deadline)
+            broadcast = time.monotonic()
+        finally:  # a call that failed leaves no key open to land in its tensors
+            self.endpoint.close_key(Kind.GRADIENT, step, bucket)
+            self.endpoint.close_key(Kind.PARAMETER, step, bucket)
+
+        # Per chunk of each other owner's shard: how many workers' values are in `result` there.
+        contributions = {}
         stand_in = 0.0 if update is not None else 1.0  # stale parameters, or the own value
         typical = accumulator.weight.mean().item()  # for counts that were lost on the way
         broadcast_missing = {}
-        for owner, (values, arrived) in received.items():
-            contributions[owner], broadcast_missing[owner] = _apply_broadcast(
-                result[starts[owner]:starts[owner + 1]], values, arrived, chunk_numel, stand_in,
-                typical,
-            )
+        for owner in self.peers:
+            contributions[owner], broadcast_missing[owner] = _contributions(
+                broadcast_arrived[owner], counts[owner], sizes[owner], broadcast_numel,
+                stand_in, typical)
+        gather_missing = {peer: accumulator.chunks - int(gather_arrived[peer].sum())
+                          for peer in self.peers}
 
         after = self._counters()
-        elements = sum((weights * _chunk_lengths(sizes[owner], chunk_numel)).sum().item()
-                       for owner, weights in contributions.items())
+        own_elements = (accumulator.weight * _chunk_lengths(sizes[self.rank], chunk_numel)).sum()
+        elements = own_elements.item() + sum(
+            (weights * _chunk_lengths(sizes[owner], broadcast_numel)).sum().item()
+            for owner, weights in contributions.items())
         own_coverage = accumulator.weight / self.world
-        shard_coverage = (own_coverage * _chunk_lengths(sizes[self.rank], chunk_numel)).sum()
-        broadcast_chunks = sum(_chunk_count(sizes[owner], chunk_numel) for owner in self.peers)
+        broadcast_chunks = sum(chunk_count(sizes[owner], broadcast_numel)
+                               for owner in self.peers)
         absent = tuple(
             peer for peer in self.peers
             if gather_missing[peer] == accumulator.chunks
-            and broadcast_missing[peer] == _chunk_count(sizes[peer], chunk_numel)
+            and broadcast_missing[peer] == chunk_count(sizes[peer], broadcast_numel)
         )
         missing = {peer: gather_missing[peer] + broadcast_missing[peer] for peer in self.peers}
         late, lost = _delta(after.late, before.late), _delta(after.lost, before.lost)
@@ -295,7 +328,7 @@ class Lossy:
                 "broadcast_seconds": broadcast - broadcasting,
                 "deadline_seconds": gather_deadline,
                 "broadcast_deadline_seconds": broadcast_deadline,
-                "shard_coverage": shard_coverage.item() / max(1, sizes[self.rank]),
+                "shard_coverage": own_elements.item() / self.world / max(1, sizes[self.rank]),
                 "broadcast_received": 1.0 - sum(broadcast_missing.values())
                 / max(1, broadcast_chunks),
                 "chunks_missing": float(sum(missing.values())),
@@ -309,50 +342,31 @@ class Lossy:
             missing=missing, late=late, lost=lost,
         )
 
-    def _gather(
-        self, own: torch.Tensor, step: int, bucket: int, chunk_numel: int, started: float,
-        deadline: float,
-    ) -> tuple[ChunkAccumulator, dict[int, int]]:
-        """This owner's shard: every contribution that came in time (`_collect`), per chunk,
-        and how many chunks of each peer's did not."""
-        accumulator = ChunkAccumulator(own.numel(), chunk_numel, dtype=own.dtype)
-        accumulator.add_all(own)
-        landed = {peer: torch.empty_like(own) for peer in self.peers}
-        arrived = self._collect(Kind.GRADIENT, step, bucket, landed, chunk_numel, started,
-                                deadline, self.gather_deadline)
-        missing = {}
-        for peer in self.peers:
-            values = landed.pop(peer)  # freed as soon as it is added
-            # Chunks that did not come (or a test loss model discarded) add nothing.
-            elements = arrived[peer].repeat_interleave(chunk_numel)[:own.numel()]
-            accumulator.add_partial(values.masked_fill_(~elements, 0), arrived[peer])
-            missing[peer] = accumulator.chunks - int(arrived[peer].sum())
-        return accumulator, missing
-
-    def _broadcast(
-        self, payload: torch.Tensor, step: int, bucket: int, sizes: Sequence[int],
-        chunk_numel: int, deadline: float,
-    ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-        """Send this owner's payload to every peer as datagrams; per other owner, its payload
-        as far as it came (`_collect`: an owner whose gather ended later than this one's
-        starts its broadcast later, and is waited for), and which of its chunks did."""
-        started = time.monotonic()
-        for peer in self.peers:
-            self.endpoint.send_tensor(peer, Kind.PARAMETER, step, bucket, payload)
-        landed = {owner: torch.empty(_payload_length(sizes[owner], chunk_numel),
-                                     dtype=payload.dtype) for owner in self.peers}
-        arrived = self._collect(Kind.PARAMETER, step, bucket, landed, chunk_numel, started,
-                                deadline, self.broadcast_deadline)
-        return {owner: (values, arrived[owner]) for owner, values in landed.items()}
+    def _open(self, kind: Kind, step: int, bucket: int,
+              sinks: Mapping[int, Sink]) -> dict[int, np.ndarray]:
+        """Open (kind, step, bucket) with a sink per sender; per sender, which of its chunks
+        count (all, but for those a test loss model discards: they never reach the sink)."""
+        keep = {}
+        for sender, sink in sinks.items():
+            count = chunk_count(sink.numel, self.endpoint.chunk_numel(sink.codec))
+            keep[sender] = np.ones(count, dtype=bool)
+            if self.test_loss is not None:
+                keep[sender] &= ~self.test_loss.lost(kind, step, bucket, sender, self.rank, count)
+        self.endpoint.open(kind, step, bucket, {sender: len(k) for sender, k in keep.items()},
+                           into={sender: _Kept(sink, keep[sender]) if not keep[sender].all()
+                                 else sink for sender, sink in sinks.items()})
+        return keep
 
     def _broadcast_reliably(
-        self, payload: torch.Tensor, step: int, bucket: int, sizes: Sequence[int],
-        chunk_numel: int,
-    ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-        """The broadcast over TCP: every payload arrives whole, or a TransportError names the
-        peer that failed."""
+        self, result: torch.Tensor, counts: Mapping[int, torch.Tensor], own_counts: torch.Tensor,
+        step: int, bucket: int, starts: Sequence[int], chunk_numel: int,
+    ) -> dict[int, np.ndarray]:
+        """The broadcast over TCP: every owner's shard and counts arrive whole into `result` and
+        `counts`, or a TransportError names the peer that failed."""
         assert self._mesh is not None and self._sender is not None
         mesh = self._mesh
+        mine = result[starts[self.rank]:starts[self.rank + 1]]
+        payload = torch.cat([mine, own_counts])  # resync steps only
 
         def send_all() -> None:
             for peer in self.peers:
@@ -360,54 +374,42 @@ class Lossy:
                                        timeout=self.timeout)
 
         sending = self._sender.submit(send_all)
-        received = {}
+        arrived = {}
         for owner in reversed(self.peers):  # round i hears from rank - i
-            length = _payload_length(sizes[owner], chunk_numel)
+            shard = result[starts[owner]:starts[owner + 1]]
+            length = shard.numel() + counts[owner].numel()
             values = mesh[owner].recv_tensor(kind=Kind.PARAMETER, step=step, bucket=bucket,
                                              timeout=self.timeout,
-                                             out=torch.empty(length, dtype=payload.dtype))
-            received[owner] = values, torch.ones(_chunk_count(length, chunk_numel), dtype=bool)
+                                             out=torch.empty(length, dtype=result.dtype))
+            shard.copy_(values[:shard.numel()])
+            counts[owner].copy_(values[shard.numel():])
+            arrived[owner] = np.ones(chunk_count(length, chunk_numel), dtype=bool)
         sending.result()
-        return received
+        return arrived
 
     def _collect(
-        self, kind: Kind, step: int, bucket: int, landed: Mapping[int, torch.Tensor],
-        chunk_numel: int, started: float, transfer: float, learner: AdaptiveDeadline,
-    ) -> dict[int, torch.Tensor]:
-        """Write each sender's chunks of (kind, step, bucket) into `landed[sender]` as they
-        come: a present sender's first chunk is waited for up to `straggler_timeout` after
-        `started`, an absent one's not at all, and each stream for `transfer` seconds from its
-        first chunk. Per sender, which of its chunks came (less those a test loss model
-        discards). Teaches `learner` how long the streams took; marks who sent nothing."""
-        counts = {sender: _chunk_count(out.numel(), chunk_numel) for sender, out in landed.items()}
-        expected = set().union(*(expected_chunks([sender], out.numel(), chunk_numel)
-                                 for sender, out in landed.items()))
+        self, kind: Kind, step: int, bucket: int, keep: Mapping[int, np.ndarray],
+        started: float, transfer: float, learner: AdaptiveDeadline,
+    ) -> dict[int, np.ndarray]:
+        """Wait for the opened (kind, step, bucket): a present sender's first chunk up to
+        `straggler_timeout` after `started`, an absent one's not at all, and each stream for
+        `transfer` seconds from its first chunk. Per sender, which of its chunks came and
+        count (`keep`). Teaches `learner` how long the streams took; marks who sent nothing."""
         start_by = {sender: started if sender in self._absent
-                    else started + self.straggler_timeout for sender in landed}
+                    else started + self.straggler_timeout for sender in keep}
         collected = self.endpoint.collect(
-            kind, step, bucket, expected, started + self.straggler_timeout + transfer,
-            settle=self.settle, into=landed, transfer=transfer, start_by=start_by)
+            kind, step, bucket, None, started + self.straggler_timeout + transfer,
+            settle=self.settle, transfer=transfer, start_by=start_by)
         present = [s for s in collected.first_arrivals if s not in self._absent]
         if present:
             took = max(collected.last_arrivals[s] - collected.first_arrivals[s] for s in present)
             learner.observe(took, sum(collected.late_from.get(s, 0) for s in present))
-        if any(sender not in collected.first_arrivals for sender in landed):
+        if any(sender not in collected.first_arrivals for sender in keep):
             received = self._counters().received
-            for sender in landed:
+            for sender in keep:
                 if sender not in collected.first_arrivals:
                     self._absent.setdefault(sender, received.get(sender, 0))
-        n = len(collected.chunks)
-        senders = np.fromiter((chunk.sender for chunk in collected.chunks), np.int64, n)
-        indexes = np.fromiter((chunk.index for chunk in collected.chunks), np.int64, n)
-        arrived = {}
-        for sender, count in counts.items():
-            arrived[sender] = torch.zeros(count, dtype=torch.bool)
-            arrived[sender][torch.from_numpy(indexes[senders == sender])] = True
-        if self.test_loss is not None:
-            for sender, mask in arrived.items():
-                lost = self.test_loss.lost(kind, step, bucket, sender, self.rank, counts[sender])
-                mask &= ~torch.from_numpy(lost)
-        return arrived
+        return {sender: collected.arrived[sender] & kept for sender, kept in keep.items()}
 
     def _notice_returns(self, received: Mapping[int, int]) -> None:
         """An absent peer whose datagrams came again (even late ones) is waited for again."""
@@ -446,38 +448,51 @@ def _delta(after: Mapping[int, int], before: Mapping[int, int]) -> dict[int, int
             if value != before.get(peer, 0)}
 
 
-def _chunk_count(numel: int, chunk_numel: int) -> int:
-    """Chunks of a `numel`-element tensor (an empty one still travels as one empty chunk)."""
-    return max(1, math.ceil(numel / chunk_numel))
-
-
 def _chunk_lengths(numel: int, chunk_numel: int) -> torch.Tensor:
     """Elements in each chunk of a `numel`-element tensor."""
-    lengths = torch.full((_chunk_count(numel, chunk_numel),), chunk_numel, dtype=torch.float64)
+    lengths = torch.full((chunk_count(numel, chunk_numel),), chunk_numel, dtype=torch.float64)
     lengths[-1] = numel - chunk_numel * (len(lengths) - 1)
     return lengths
 
 
-def _payload_length(numel: int, chunk_numel: int) -> int:
-    """A broadcast of a `numel`-element shard: its values, then one count per chunk."""
-    return numel + _chunk_count(numel, chunk_numel)
-
-
-def _apply_broadcast(
-    target: torch.Tensor, payload: torch.Tensor, arrived: torch.Tensor, chunk_numel: int,
-    stand_in: float, typical: float,
+def _contributions(
+    arrived: np.ndarray, counts: torch.Tensor, numel: int, chunk_numel: int, stand_in: float,
+    typical: float,
 ) -> tuple[torch.Tensor, int]:
-    """Write one owner's broadcast (shard values, then one contribution count per chunk) into
-    its shard of the result where its chunks came; the shard's chunks are the payload's first
-    ones, element for element. Returns the contributions per chunk now in `target`
-    (`stand_in` where the chunk was missed; `typical`, an estimate, where the chunk came but
-    the one carrying its count did not) and how many chunks were missed."""
-    numel = target.numel()
-    count = _chunk_count(numel, chunk_numel)
+    """One owner's broadcast (its shard's values, then one contribution count per chunk, in
+    `arrived`'s chunks) as this worker got it: the contributions per chunk of the shard now in
+    the result (`stand_in` where the chunk was missed; `typical`, an estimate, where the chunk
+    came but the one carrying its count did not), and how many chunks were missed."""
+    arrived = torch.from_numpy(arrived)
+    count = chunk_count(numel, chunk_numel)
     shard_arrived = arrived[:count]
-    elements = shard_arrived.repeat_interleave(chunk_numel)[:numel]
-    torch.where(elements, payload[:numel], target, out=target)  # in place: no shard copy
     count_arrived = arrived[(numel + torch.arange(count)) // chunk_numel]
-    weights = torch.where(count_arrived, payload[numel:].to(torch.float64), typical)
+    weights = torch.where(count_arrived, counts.to(torch.float64), typical)
     contributions = torch.where(shard_arrived, weights, stand_in)
     return contributions, count - int(shard_arrived.sum())
+
+
+class _Accumulating:
+    """A sink of the gather: a peer's chunks (of `codec`) of this owner's shard are added into
+    the accumulator as they are read; no per-peer copy is kept."""
+
+    def __init__(self, accumulator: ChunkAccumulator, codec: Codec) -> None:
+        self.accumulator, self.codec = accumulator, codec
+        self.numel = accumulator.numel
+
+    def land(self, index: np.ndarray, payload: np.ndarray) -> None:
+        self.accumulator.add_chunks(index, values_of(payload, self.codec))
+
+
+class _Kept:
+    """A sink that passes on only the chunks `keep` marks: what a test loss model did not
+    discard."""
+
+    def __init__(self, sink: Sink, keep: np.ndarray) -> None:
+        self.sink, self.keep = sink, keep
+        self.codec, self.numel = sink.codec, sink.numel
+
+    def land(self, index: np.ndarray, payload: np.ndarray) -> None:
+        kept = self.keep[index]
+        if kept.any():
+            self.sink.land(index[kept], payload[kept])

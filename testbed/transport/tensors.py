@@ -17,6 +17,9 @@ _DTYPES = {
 _CODECS = {dtype: codec for codec, dtype in _DTYPES.items()}
 # Same-size integer types, to move any codec's elements as bits (numpy has no bfloat16).
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+_NUMPY_BITS = {1: np.dtype(np.uint8), 2: np.dtype(np.int16), 4: np.dtype(np.int32)}
+_NUMPY_VALUES = {Codec.BYTES: np.uint8, Codec.FLOAT32: np.float32, Codec.FLOAT16: np.float16,
+                 Codec.INT8: np.int8}
 
 
 def dtype_of(codec: int) -> torch.dtype:
@@ -45,3 +48,16 @@ def bits(tensor: torch.Tensor) -> np.ndarray:
     if not tensor.is_contiguous():
         raise ValueError("out: needs a contiguous tensor")
     return tensor.view(-1).view(_BITS[tensor.element_size()]).numpy()
+
+
+def bits_dtype(itemsize: int) -> np.dtype:
+    """The numpy integer type `bits` gives for elements of `itemsize` bytes."""
+    return _NUMPY_BITS[itemsize]
+
+
+def values_of(elements: np.ndarray, codec: Codec) -> np.ndarray:
+    """Elements given as bits (`bits_dtype`) as numbers numpy can add: bfloat16, which numpy
+    lacks, widened to float32 (its bits are float32's upper half)."""
+    if codec is Codec.BFLOAT16:
+        return (elements.astype(np.uint32) << 16).view(np.float32)
+    return elements.view(_NUMPY_VALUES[codec])

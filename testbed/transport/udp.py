@@ -1,11 +1,17 @@
 """UDP datagrams for the lossy paths: tensors cut into MTU-sized chunks, paced, and collected
 per (kind, step, bucket) until everything expected arrived or a deadline passed.
 
+Datagrams move in batches: `sendmmsg` hands a paced run of a tensor's chunks to the kernel in
+one call, `recvmmsg` reads up to a ring's worth at once, and each batch's headers are checked,
+sequenced and routed with numpy (`testbed.transport.mmsg`). A chunk lands where its collector
+said it belongs (a `Sink`: a tensor, or e.g. a running sum) as it is read, so nothing but the
+destination holds its data.
+
 One thread drives an endpoint. Whenever it waits (for pacing tokens while sending, for chunks
 while collecting) it reads its socket, so datagrams from peers that send while this worker does
-are buffered in the process instead of overflowing the kernel's receive buffer. Chunks of keys
-nobody is collecting yet wait in the endpoint until they are; chunks of a key already collected
-are late: counted, dropped.
+are taken in instead of overflowing the kernel's receive buffer. A key is opened (`open`, or
+`collect` itself) before its chunks are due: chunks of keys nobody opened yet wait in the
+endpoint until somebody does; chunks of a key already collected are late: counted, dropped.
 
 Loss is measured from sequence numbers: every (sender incarnation, destination) stream numbers
 its datagrams from 0, so gaps at the receiver are datagrams lost on the way, whatever took them.
@@ -18,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import math
+import os
 import secrets
 import select
 import socket
@@ -25,6 +32,7 @@ import time
 from collections import Counter, defaultdict
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -36,12 +44,14 @@ from testbed.transport.counters import (
     socket_drops,
 )
 from testbed.transport.errors import TransportError
-from testbed.transport.tensors import as_bytes, bits, codec_of, dtype_of
+from testbed.transport.mmsg import Outgoing, ReceiveRing, address_of, mmsg_calls, sockaddr
+from testbed.transport.tensors import as_bytes, bits, bits_dtype, codec_of, dtype_of
 from testbed.transport.wire import (
     ETHERNET_HEADER,
     HEADER_SIZE,
     IPV4_HEADER,
     IPV6_HEADER,
+    ITEMSIZE,
     MAGIC,
     UDP_HEADER,
     VERSION,
@@ -50,9 +60,12 @@ from testbed.transport.wire import (
     Kind,
     MalformedDatagram,
     Reason,
+    accepted,
     chunk_numel,
     decode,
     encode_headers,
+    full_payload,
+    headers_of,
     payload_capacity,
 )
 
@@ -61,11 +74,19 @@ SO_SNDBUFFORCE, SO_RCVBUFFORCE = 32, 33  # Linux; beyond rmem_max/wmem_max, need
 # refused with EMSGSIZE, so a wrong `mtu` is an error at once instead of silent fragmentation.
 IP_MTU_DISCOVER, IPV6_MTU_DISCOVER, PMTUDISC_DO = 10, 23, 2
 DRAIN_BATCH = 1024  # datagrams read per drain, so a flood cannot hold a deadline hostage
+RING_BYTES = 1 << 20  # the receive ring: this many bytes of slots, 16 to 512 of them
+SEND_BATCH = 256  # datagrams per sendmmsg when unpaced
 # A sender's stream has ended once one of its last TAIL chunks came: paced datagrams of one
 # stream arrive in order, so what it still lacks then was lost, not in flight.
 TAIL = 4
 JOINED_LATE = 64  # a stream first seen at this sequence number or beyond was joined late
-BURST_SECONDS = 0.002  # default pacing burst: 2 ms of traffic (a wake-up is late by ~1 ms)
+BURST_SECONDS = 0.005  # default pacing burst: 5 ms of traffic, handed to the kernel in one call
+# While datagrams keep coming, a collect waits this long before it reads, so one read takes a
+# batch; a wait that found nothing sleeps in poll until something comes.
+NAP_SECONDS = 0.001
+# A paced sender reads its socket this often: at 100 Mbit/s a read then takes ~80 datagrams,
+# and even at 1 Gbit/s what comes meanwhile (2 MB of buffer) fits the default receive buffer.
+READ_INTERVAL = 0.01
 
 Key = tuple[int, int, int]  # (kind, step, bucket)
 
@@ -109,71 +130,84 @@ class Chunk:
 
 @dataclass
 class Collected:
-    """What `collect` got for one key: the chunks (first copy of each (sender, index)), the
-    expected (sender, index) pairs that did not come in time, how many datagrams of this kind
-    came late for keys closed before (a deadline that was too short), in all and per sender,
-    and when the last in-time chunk came (time.monotonic(); None if none did). Per sender
-    that sent any in time: when its first and its last chunk of the key came."""
+    """What `collect` got for one key. `arrived`: per expected sender, a bool per chunk: it
+    came in time (and fit its sink, if it had one). `chunks`: the first copy of each chunk of
+    the senders that had no sink. How many datagrams of this kind came late for keys closed
+    before (a deadline that was too short) since the key was opened, in all and per sender;
+    when the last in-time chunk came (time.monotonic(); None if none did). Per sender that sent
+    any in time: when its first and its last chunk of the key came."""
 
     chunks: list[Chunk]
-    missing: set[tuple[int, int]]
+    arrived: dict[int, np.ndarray]
     late: int
     last_arrival: float | None
     late_from: dict[int, int] = dataclasses.field(default_factory=dict)
     first_arrivals: dict[int, float] = dataclasses.field(default_factory=dict)
     last_arrivals: dict[int, float] = dataclasses.field(default_factory=dict)
 
-
-@dataclass
-class _Awaited:
-    """The key a `collect` is waiting on, kept current by every accepted datagram."""
-
-    key: Key
-    wanted: set[tuple[int, int]]
-    outstanding: Counter[int]  # per sender, how many of its wanted chunks have not come
-    ended: set[int]  # senders whose stream reached its tail
-    newest: float  # when its newest chunk came
-    landings: dict[int, _Landing]
-    first: dict[int, float]  # per sender, when its first chunk of the key came
-    last: dict[int, float]  # per sender, when its latest chunk of the key came
-
-    def arrived(self, sender: int, index: int, count: int, now: float) -> None:
-        if (sender, index) in self.wanted:
-            self.wanted.discard((sender, index))
-            self.outstanding[sender] -= 1
-        self.first.setdefault(sender, now)
-        self.last[sender] = now
-        self.newest = max(self.newest, now)
-        if index >= count - TAIL:
-            self.ended.add(sender)
+    @property
+    def missing(self) -> set[tuple[int, int]]:
+        """The expected (sender, index) pairs that did not come in time."""
+        return {(sender, index) for sender, came in self.arrived.items()
+                for index in np.flatnonzero(~came).tolist()}
 
 
-EMPTY = memoryview(b"")
-CODECS = {codec.value: codec for codec in Codec}  # Codec(value) costs microseconds per datagram
+class Sink(Protocol):
+    """Where one sender's chunks of an opened key are written as they are read. The endpoint
+    hands it only chunks of a `numel`-element tensor of `codec` that are new: the right count,
+    each chunk's length right, the first copy of each."""
+
+    codec: Codec
+    numel: int
+
+    def land(self, index: np.ndarray, payload: np.ndarray) -> None:
+        """Chunks `index` (distinct); row i of `payload` ((k, chunk_numel), the elements as
+        same-size integers, a view valid for this call only) holds chunk index[i]; the last
+        chunk's row only as far as the tensor goes."""
 
 
-class _Landing:
-    """Where one sender's chunks of the awaited key are written as they come: chunk i of a
-    tensor as long as `out` at element i * chunk_numel of it."""
+class Landing:
+    """A `Sink` that copies chunks into tensors: chunk i at element i * chunk_numel of the
+    concatenation of `parts` (flat, contiguous, one dtype). With two parts (a shard of the
+    result and a small side buffer), a message sent from two tensors lands without a joined
+    copy on either side."""
 
-    __slots__ = ("chunk_bytes", "codec", "count", "target")
+    def __init__(self, parts: Sequence[torch.Tensor], chunk_numel: int) -> None:
+        if len({part.dtype for part in parts}) != 1:
+            raise ValueError(f"parts: need one dtype, got {[part.dtype for part in parts]}")
+        self.codec = codec_of(parts[0].dtype)
+        self._n = n = chunk_numel
+        # Per part: its elements, where it starts, the chunks [first, end) wholly inside it as
+        # rows of a grid, and the chunks it shares with a neighbour or that end it short.
+        self._parts: list[tuple[np.ndarray, int, int, int, np.ndarray, list[int]]] = []
+        offset = 0
+        for part in parts:
+            target = bits(part)
+            if target.size:
+                first, end = -(-offset // n), (offset + target.size) // n
+                grid = target[first * n - offset:max(first, end) * n - offset].reshape(-1, n)
+                touched = {offset // n, (offset + target.size - 1) // n}
+                edges = sorted(chunk for chunk in touched if not first <= chunk < end)
+                self._parts.append((target, offset, first, end, grid, edges))
+            offset += target.size
+        self.numel = offset
 
-    def __init__(self, out: torch.Tensor, chunk_numel: int) -> None:
-        self.target = memoryview(bits(out)).cast("B")
-        self.codec = codec_of(out.dtype)
-        self.chunk_bytes = chunk_numel * out.element_size()
-        self.count = max(1, math.ceil(out.numel() / chunk_numel))
+    def land(self, index: np.ndarray, payload: np.ndarray) -> None:
+        n = self._n
+        for target, offset, first, end, grid, edges in self._parts:
+            inside = (index >= first) & (index < end)
+            if inside.any():
+                grid[index[inside] - first] = payload[inside]
+            for edge in edges:
+                rows = np.flatnonzero(index == edge)
+                if rows.size:
+                    lo, hi = max(edge * n, offset), min((edge + 1) * n, offset + target.size)
+                    target[lo - offset:hi - offset] = payload[rows[0], lo - edge * n:hi - edge * n]
 
-    def land(self, index: int, count: int, codec: int, payload: memoryview) -> bool:
-        """Write one chunk; False if it is not a chunk of such a tensor (its numbers came from
-        the network, so nothing is written outside `out`)."""
-        start = index * self.chunk_bytes
-        end = start + len(payload)
-        if (codec != self.codec or count != self.count or len(payload) > self.chunk_bytes
-                or end > len(self.target)):
-            return False
-        self.target[start:end] = payload
-        return True
+
+def chunk_count(numel: int, chunk_numel: int) -> int:
+    """Chunks of a `numel`-element tensor (an empty one still travels as one empty chunk)."""
+    return max(1, math.ceil(numel / chunk_numel))
 
 
 def place(chunks: Sequence[Chunk], out: torch.Tensor, chunk_numel: int) -> np.ndarray:
@@ -197,41 +231,161 @@ def place(chunks: Sequence[Chunk], out: torch.Tensor, chunk_numel: int) -> np.nd
     return fits
 
 
-class _Sequence:
-    """The sequence numbers one sender incarnation's stream delivered: the highest, and which
-    of the `window` below it came (bit i of `seen`: highest - i). Anything already seen or
-    older than the window is a replay."""
+@dataclass
+class _Batch:
+    """Datagrams that passed the header checks: row i of `rows` holds datagram i from its
+    header on, row i of `headers` its header (NATIVE_HEADER_DTYPE), `arrival` when each was
+    read."""
 
-    __slots__ = ("base", "full", "highest", "incarnation", "received", "seen", "window")
+    rows: np.ndarray  # (k, stride) uint8
+    headers: np.ndarray
+    arrival: np.ndarray  # float64, time.monotonic()
+
+    def __getitem__(self, field: str) -> np.ndarray:
+        return self.headers[field]
+
+    def take(self, which: np.ndarray) -> _Batch:
+        """The datagrams `which` picks (a bool mask or indexes), rows copied."""
+        return _Batch(self.rows[which], self.headers[which], self.arrival[which])
+
+    def __len__(self) -> int:
+        return len(self.headers)
+
+
+def _increasing(values: np.ndarray) -> bool:
+    """Each value above the one before it: a stream's run in order, the common case."""
+    return len(values) < 2 or bool((values[1:] > values[:-1]).all())
+
+
+def _first_copies(values: np.ndarray) -> np.ndarray:
+    """A bool per element: no element before it has its value."""
+    if _increasing(values):
+        return np.ones(len(values), dtype=bool)
+    first = np.zeros(len(values), dtype=bool)
+    first[np.unique(values, return_index=True)[1]] = True
+    return first
+
+
+class _Stream:
+    """The sequence numbers one sender incarnation's stream delivered: the highest, and which
+    of the `window` up to it came (a ring: number s in slot s % window). Anything already seen
+    or older than the window is a replay."""
+
+    __slots__ = ("base", "highest", "incarnation", "received", "ring", "window")
 
     def __init__(self, incarnation: int, first: int, window: int) -> None:
         self.incarnation = incarnation
         self.window = window
-        self.full = (1 << window) - 1
         # Streams start at 0; one first seen at JOINED_LATE or beyond was joined late (this
         # endpoint restarted while its peers went on), and counting from 0 would call everything
         # before it lost. (A fresh stream whose first JOINED_LATE datagrams were all lost is
         # counted from its first arrival instead: at most that many uncounted.)
         self.base = first if first >= JOINED_LATE else 0
-        self.highest = self.base - 1
-        self.seen = 0
-        self.received = 0
+        self.highest = first  # the first datagram, which made the stream, is received
+        self.ring = np.zeros(window, dtype=bool)
+        self.ring[first % window] = True
+        self.received = 1
 
-    def accept(self, seq: int) -> bool:
-        ahead = seq - self.highest
-        if ahead > 0:
-            self.seen = ((self.seen << ahead) | 1) & self.full if ahead < self.window else 1
-            self.highest = seq
-        elif -ahead >= self.window or seq < self.base or self.seen >> -ahead & 1:
-            return False
+    def accept(self, seqs: np.ndarray) -> np.ndarray:
+        """Which of `seqs` (uint64, in arrival order) are new; the stream takes them in."""
+        window, highest = self.window, np.uint64(self.highest)
+        if seqs[0] > highest and _increasing(seqs):  # a run beyond everything seen
+            took = np.ones(len(seqs), dtype=bool)
         else:
-            self.seen |= 1 << -ahead
-        self.received += 1
-        return True
+            before = np.empty_like(seqs)  # the highest seen before each one
+            before[0] = highest
+            before[1:] = seqs[:-1]
+            np.maximum.accumulate(before, out=before)
+            new = seqs > before
+            # below the highest: new only within the window, from the stream's start on, not
+            # seen before this batch (in the ring), and not earlier in it
+            below = ~new & (before - seqs < window) & (seqs >= self.base) & _first_copies(seqs)
+            below[below] = ~((seqs[below] <= highest) & self.ring[seqs[below] % window])
+            took = new | below
+        top = max(self.highest, int(seqs.max()))
+        advance = top - self.highest
+        if advance >= window:
+            self.ring[:] = False
+        elif advance:
+            start = (self.highest + 1) % window
+            self.ring[start:start + advance] = False
+            self.ring[:max(0, start + advance - window)] = False
+        self.ring[seqs[took & (np.uint64(top) - seqs < window)] % window] = True
+        self.highest = top
+        self.received += int(took.sum())
+        return took
 
     @property
     def lost(self) -> int:
         return self.highest + 1 - self.base - self.received
+
+
+class _Open:
+    """An opened key: where each sender's chunks go, and what came so far."""
+
+    def __init__(self, expected: Mapping[int, int], sinks: Mapping[int, Sink],
+                 late_before: Counter[int]) -> None:
+        self.arrived = {sender: np.zeros(count, dtype=bool) for sender, count in expected.items()}
+        self.owed = dict(expected)  # per sender, how many of its chunks have not come
+        self.sinks = dict(sinks)
+        self.chunks: dict[tuple[int, int], Chunk] = {}  # of senders without a sink
+        self.first: dict[int, float] = {}  # per sender, when its first chunk of the key came
+        self.last: dict[int, float] = {}  # per sender, when its latest chunk of the key came
+        self.ended: set[int] = set()  # senders whose stream reached its tail
+        self.newest: float | None = None  # when the newest chunk came
+        self.late_before = late_before  # datagrams of this kind late per sender, when opened
+
+    def deliver(self, sender: int, batch: _Batch, chunk_numel: Mapping[int, int]) -> None:
+        """Take in a batch of this key's datagrams from `sender`: into its sink, or kept."""
+        sink = self.sinks.get(sender)
+        if sink is None:
+            fit = np.ones(len(batch), dtype=bool)
+            self._keep(sender, batch)
+        else:
+            fit = self._land(sender, sink, batch, chunk_numel[sink.codec])
+            if not fit.all():
+                batch = batch.take(fit)
+        if not len(batch):
+            return
+        self.first.setdefault(sender, float(batch.arrival[0]))
+        self.last[sender] = float(batch.arrival[-1])
+        self.newest = max(self.newest or -math.inf, float(batch.arrival[-1]))
+        if (batch["chunks"] - batch["chunk"] <= TAIL).any():
+            self.ended.add(sender)
+
+    def _land(self, sender: int, sink: Sink, batch: _Batch, n: int) -> np.ndarray:
+        """Hand the sink the new chunks that fit it; which datagrams fit."""
+        itemsize = ITEMSIZE[sink.codec]
+        count = chunk_count(sink.numel, n)
+        chunk = batch["chunk"]
+        expected = np.where(chunk == count - 1, sink.numel - (count - 1) * n, n)
+        fit = ((batch["codec"] == sink.codec) & (batch["chunks"] == count)
+               & (batch["payload_len"] == expected * itemsize))
+        index = chunk[fit].astype(np.int64)
+        arrived = self.arrived[sender]
+        new = ~arrived[index] & _first_copies(index)
+        if new.any():
+            rows = batch.rows[np.flatnonzero(fit)[new], HEADER_SIZE:HEADER_SIZE + n * itemsize]
+            sink.land(index[new], rows.view(bits_dtype(itemsize)))
+            arrived[index[new]] = True
+            self.owed[sender] -= int(new.sum())
+        return fit
+
+    def _keep(self, sender: int, batch: _Batch) -> None:
+        """Keep the first copy of each chunk of a sender without a sink (tests, small keys)."""
+        arrived = self.arrived.get(sender)
+        for row, index, count, codec, size, arrival in zip(
+            batch.rows, batch["chunk"].tolist(), batch["chunks"].tolist(),
+            batch["codec"].tolist(), batch["payload_len"].tolist(), batch.arrival.tolist(),
+            strict=True,
+        ):
+            if (sender, index) in self.chunks:
+                continue
+            payload = memoryview(bytearray(row[HEADER_SIZE:HEADER_SIZE + size]))
+            self.chunks[sender, index] = Chunk(sender, index, count, Codec(codec), payload, arrival)
+            if arrived is not None and index < len(arrived):
+                arrived[index] = True
+                self.owed[sender] -= 1
 
 
 class DatagramEndpoint:
@@ -259,17 +413,23 @@ class DatagramEndpoint:
         replay_window: int = 4096,
         history_steps: int = 8,
     ) -> None:
+        mmsg_calls()  # a clear TransportError here where the C library lacks them
         ipv6 = ":" in address[0]
         self.rank, self.run_id, self.mtu, self._ipv6 = rank, run_id, mtu, ipv6
         self.capacity = payload_capacity(mtu, ipv6=ipv6)
-        self._full = {codec: self.chunk_numel(codec) * codec.itemsize for codec in Codec}
+        self._full = {codec: full_payload(self.capacity, codec.itemsize) for codec in Codec}
+        self._chunk_numel = {codec: full // codec.itemsize for codec, full in self._full.items()}
         self.incarnation = secrets.randbits(32)
         self.replay_window, self.history_steps = replay_window, history_steps
         self._frame_overhead = ETHERNET_HEADER + (IPV6_HEADER if ipv6 else IPV4_HEADER) + UDP_HEADER
         self._bucket = None
+        self._send_batch = SEND_BATCH
         if rate is not None:
             burst = burst or max(4 * mtu, int(rate / 8 * BURST_SECONDS))
             self._bucket = TokenBucket(rate, burst, time.monotonic())
+            # a run of datagrams handed over at once is at most a burst
+            self._send_batch = max(1, burst // (HEADER_SIZE + self.capacity
+                                                + self._frame_overhead))
         self._sock = socket.socket(socket.AF_INET6 if ipv6 else socket.AF_INET, socket.SOCK_DGRAM)
         try:
             self.rcvbuf_bytes = _buffer(self._sock, socket.SO_RCVBUF, SO_RCVBUFFORCE, rcvbuf)
@@ -286,18 +446,23 @@ class DatagramEndpoint:
         self.address: tuple[str, int] = self._sock.getsockname()[:2]
         self._poll = select.poll()
         self._poll.register(self._sock, select.POLLIN)
+        slot = HEADER_SIZE + self.capacity + 1  # one more: a longer datagram shows as oversize
+        self._ring = ReceiveRing(max(16, min(512, RING_BYTES // slot)), slot)
+        self._flowing = False  # the last read found datagrams
+        self._read_due = 0.0  # when a paced sender reads next
         self._peers: dict[int, tuple[str, int]] = {}
+        self._names: dict[int, bytes] = {}  # per peer, its C sockaddr
         self._ranks: dict[tuple[str, int], int] = {}
         self._next_seq: dict[int, int] = defaultdict(int)
         self._counters: dict[int, DatagramCounters] = defaultdict(DatagramCounters)
-        self._sequences: dict[int, _Sequence] = {}
+        self._streams: dict[int, _Stream] = {}
         self._retired: dict[int, set[int]] = defaultdict(set)
         self._lost_before: Counter[int] = Counter()
         self._rejected: Counter[Reason] = Counter()
         self._receive_errors = 0
         self._rcvbuf_drops = 0
-        self._pending: dict[Key, dict[tuple[int, int], Chunk]] = {}
-        self._awaited: _Awaited | None = None
+        self._waiting: dict[Key, list[_Batch]] = {}  # datagrams of keys nobody opened yet
+        self._open: dict[Key, _Open] = {}
         self._closed: set[Key] = set()
         self._closed_below = 0  # every step below this is closed
         self._late: Counter[tuple[int, int]] = Counter()  # per (kind, sender)
@@ -307,8 +472,10 @@ class DatagramEndpoint:
     def add_peer(self, rank: int, address: tuple[str, int]) -> None:
         """Where `rank` is (numeric address): where its chunks go, and whose datagrams that
         fail to decode are counted against."""
+        name = sockaddr(address)
         self._peers[rank] = address
-        self._ranks[address] = rank
+        self._names[rank] = name
+        self._ranks[address_of(name)] = rank
 
     def chunk_numel(self, codec: Codec = Codec.FLOAT32) -> int:
         """Elements per chunk; chunk i of a tensor holds elements i * chunk_numel onwards."""
@@ -320,72 +487,119 @@ class DatagramEndpoint:
         kind: Kind,
         step: int,
         bucket: int,
-        tensor: torch.Tensor | np.ndarray,
+        tensor: torch.Tensor | np.ndarray | Sequence[torch.Tensor],
     ) -> int:
         """Send a tensor to `peer` as chunks (one datagram each), paced; returns the chunk count.
+        A sequence of tensors of one dtype travels as their concatenation, read in place.
 
-        A datagram the kernel refuses (ENOBUFS, EPERM from a firewall, an unreachable network)
-        is counted in `send_errors` and its sequence number stays used, so the receiver counts
-        it lost too: it never reached the wire.
+        Runs of chunks go to the kernel in one call each (a pacing burst's worth). A datagram
+        the kernel refuses (ENOBUFS, EPERM from a firewall, an unreachable network) is counted
+        in `send_errors` and its sequence number stays used, so the receiver counts it lost
+        too: it never reached the wire.
         """
-        address = self._peers.get(peer)
-        if address is None:
+        name = self._names.get(peer)
+        if name is None:
             raise TransportError(f"rank {self.rank}: no address for peer {peer}; known: "
                                  f"{sorted(self._peers)}")
-        codec, data = as_bytes(tensor)
-        capacity = self.chunk_numel(codec) * codec.itemsize
-        starts = np.arange(0, max(len(data), 1), capacity)
-        ends = np.minimum(starts + capacity, len(data))
+        pieces = [as_bytes(part) for part in (
+            [tensor] if isinstance(tensor, torch.Tensor | np.ndarray) else tensor)]
+        codecs = {codec for codec, _ in pieces}
+        if len(codecs) != 1:
+            raise ValueError(f"tensor: parts of one message need one dtype, got {codecs}")
+        codec = codecs.pop()
+        # the iovecs point into these arrays' memory: the locals keep it alive until we return
+        arrays = [np.frombuffer(data, dtype=np.uint8) for _, data in pieces]
+        total = sum(array.size for array in arrays)
+        starts = np.arange(0, max(total, 1), self._full[codec])
+        ends = np.minimum(starts + self._full[codec], total)
         template = Header(MAGIC, VERSION, kind, codec, self.rank, self.run_id, self.incarnation,
                           0, step, bucket, 0, 0, 0)
         headers = encode_headers(template, self._next_seq[peer], ends - starts)
-        self._next_seq[peer] += len(starts)
-        counters = self._counters[peer]
-        for i, (start, end) in enumerate(zip(starts.tolist(), ends.tolist(), strict=True)):
-            size = HEADER_SIZE + end - start
-            if self._bucket is not None:
-                self._pace(size + self._frame_overhead)
-            try:
-                self._sock.sendmsg([headers[i], data[start:end]], (), 0, address)
-            except OSError as exc:
-                if exc.errno == errno.EMSGSIZE:
-                    raise TransportError(
-                        f"rank {self.rank}: a {size}-byte datagram to peer {peer} at {address} "
-                        f"is too large ({exc.strerror}); is mtu={self.mtu} right for this path?"
-                    ) from None
+        n = len(starts)
+        self._next_seq[peer] += n
+        outgoing = Outgoing(name, headers, [(a.ctypes.data, a.size) for a in arrays], starts,
+                            ends)
+        sizes = np.concatenate(([0], np.cumsum(ends - starts + HEADER_SIZE)))
+        counters, fd = self._counters[peer], self._sock.fileno()
+        done = paid = 0
+        while done < n:
+            end = min(done + self._send_batch, n)
+            if self._bucket is not None and end > paid:
+                first = max(done, paid)
+                self._pace(int(sizes[end] - sizes[first]) + (end - first) * self._frame_overhead)
+                paid = end
+            sent, code = outgoing.send(fd, done, end - done)
+            counters.datagrams_sent += sent
+            counters.bytes_sent += int(sizes[done + sent] - sizes[done])
+            done += sent
+            if code == errno.EMSGSIZE:
+                size = int(sizes[done + 1] - sizes[done])
+                raise TransportError(
+                    f"rank {self.rank}: a {size}-byte datagram to peer {peer} at "
+                    f"{self._peers[peer]} is too large ({os.strerror(code)}); is "
+                    f"mtu={self.mtu} right for this path?")
+            if code:
                 counters.send_errors += 1
-                continue
-            counters.datagrams_sent += 1
-            counters.bytes_sent += size
-        return len(starts)
+                done += 1
+        return n
+
+    def open(
+        self,
+        kind: Kind,
+        step: int,
+        bucket: int,
+        expected: Mapping[int, int],
+        *,
+        into: Mapping[int, torch.Tensor | Sink] | None = None,
+    ) -> None:
+        """Receive (kind, step, bucket) from now on: `expected` chunks (a count per sender,
+        chunks 0 onwards) and, for the senders in `into`, land their chunks as they are read:
+        a tensor (flat, contiguous; chunk i at element i * chunk_numel) or any `Sink`. A chunk
+        that is not one of such a tensor is left out as if it never came. Datagrams of the key
+        that came before are taken in at once. `collect` ends it."""
+        key = (int(kind), step, bucket)
+        if step < self._closed_below or key in self._closed:
+            raise ValueError(f"open: {Kind(kind).name} step {step} bucket {bucket} is closed")
+        if key in self._open:
+            raise ValueError(f"open: {Kind(kind).name} step {step} bucket {bucket} is open")
+        sinks = {}
+        for sender, target in (into or {}).items():
+            if isinstance(target, torch.Tensor):
+                target = Landing([target], self._chunk_numel[codec_of(target.dtype)])
+            count = chunk_count(target.numel, self._chunk_numel[target.codec])
+            if expected.get(sender) != count:
+                raise ValueError(f"open: sender {sender}'s sink takes {count} chunks, "
+                                 f"{expected.get(sender)} expected")
+            sinks[sender] = target
+        late_before = Counter({sender: count for (kind_, sender), count in self._late.items()
+                               if kind_ == key[0]})
+        state = self._open[key] = _Open(expected, sinks, late_before)
+        for batch in self._waiting.pop(key, []):
+            for sender in np.unique(batch["sender"]).tolist():
+                state.deliver(sender, batch.take(batch["sender"] == sender), self._chunk_numel)
 
     def collect(
         self,
         kind: Kind,
         step: int,
         bucket: int,
-        expected: Collection[tuple[int, int]],
+        expected: Mapping[int, int] | None,
         deadline: float,
         *,
         settle: float | None = None,
-        into: Mapping[int, torch.Tensor] | None = None,
+        into: Mapping[int, torch.Tensor | Sink] | None = None,
         transfer: float | None = None,
         start_by: Mapping[int, float] | None = None,
     ) -> Collected:
-        """Chunks of (kind, step, bucket) until every expected (sender, index) came or
-        time.monotonic() passes `deadline`. The key is closed afterwards: later chunks of it
-        are late.
+        """Chunks of (kind, step, bucket) until every expected chunk came or time.monotonic()
+        passes `deadline`. With `expected` (a chunk count per sender) and `into`, the key is
+        opened here (see `open`); with None, it was opened before. The key is closed afterwards:
+        later chunks of it are late.
 
         With `settle`, the wait also ends once every expected sender's stream has ended (one
         of its last TAIL chunks came) and nothing came for `settle` seconds: the rest was lost.
         Under loss that ends a call when the data stops rather than at the deadline, which
         then only bounds the wait for senders that are slow or gone.
-
-        With `into`, the chunks of those senders are written into their tensor (flat,
-        contiguous; chunk i at element i * chunk_numel) as they come instead of being kept:
-        their `Collected.chunks` carry no payload, and a chunk that is not one of a tensor of
-        that length and dtype is left out as if it never came. Nothing but the destination
-        holds the data, which keeps a large collect's memory at the tensor's size.
 
         With `transfer`, each sender gets its own limit: `transfer` seconds after its first
         chunk of the key came, or, while none has, until `start_by[sender]` (time.monotonic();
@@ -394,73 +608,60 @@ class DatagramEndpoint:
         `start_by` allows, and its stream as long as a stream takes, whatever its start;
         `deadline` still bounds the whole wait."""
         key = (int(kind), step, bucket)
-        if step < self._closed_below or key in self._closed:
-            raise ValueError(f"collect: {Kind(kind).name} step {step} bucket {bucket} is closed")
-        late_before = Counter({sender: count for (kind_, sender), count in self._late.items()
-                               if kind_ == key[0]})
-        got = self._pending.setdefault(key, {})
-        landings = {sender: _Landing(out, self._full[codec_of(out.dtype)] // out.element_size())
-                    for sender, out in (into or {}).items()}
-        for spot, chunk in list(got.items()):  # what came before anyone waited for it
-            landing = landings.get(chunk.sender)
-            if landing is None:
-                continue
-            if landing.land(chunk.index, chunk.count, chunk.codec, chunk.payload):
-                got[spot] = dataclasses.replace(chunk, payload=EMPTY)
-            else:
-                del got[spot]
-        wanted = set(expected) - got.keys()
-        awaited = self._awaited = _Awaited(
-            key, wanted, Counter(sender for sender, _ in wanted), set(),
-            -math.inf, landings, {}, {},
-        )
-        for chunk in sorted(got.values(), key=lambda c: c.arrival):
-            awaited.arrived(chunk.sender, chunk.index, chunk.count, chunk.arrival)
-        if not got:
-            awaited.newest = time.monotonic()
+        if expected is not None:
+            self.open(kind, step, bucket, expected, into=into)
+        elif into is not None or key not in self._open:
+            raise ValueError(f"collect: {Kind(kind).name} step {step} bucket {bucket} is not "
+                             f"open; give `expected` (and `into`) to open it here")
+        state = self._open[key]
+        started = time.monotonic()
         try:
             self._drain()
-            while awaited.wanted:
+            while any(owed > 0 for owed in state.owed.values()):
                 now = time.monotonic()
-                limits = self._limits(awaited, deadline, transfer, start_by or {}, now)
+                limits = self._limits(state, deadline, transfer, start_by or {}, now)
                 if not limits:
                     break
                 until = max(limits.values())
-                if settle is not None and awaited.ended >= limits.keys():
-                    quiet = awaited.newest + settle
+                if settle is not None and state.ended >= limits.keys():
+                    quiet = (started if state.newest is None else state.newest) + settle
                     if quiet <= now:
                         break
                     until = min(until, quiet)
                 self._wait(until - now)
         finally:
-            self._awaited = None
-            del self._pending[key]
-            self._close(key)
-        chunks = list(got.values())
-        late_from = {sender: count - late_before[sender]
+            self.close_key(kind, step, bucket)
+        late_from = {sender: count - state.late_before[sender]
                      for (kind_, sender), count in self._late.items()
-                     if kind_ == key[0] and count > late_before[sender]}
+                     if kind_ == key[0] and count > state.late_before[sender]}
         return Collected(
-            chunks=chunks,
-            missing=awaited.wanted,
+            chunks=list(state.chunks.values()),
+            arrived=state.arrived,
             late=sum(late_from.values()),
-            last_arrival=max((c.arrival for c in chunks), default=None),
+            last_arrival=state.newest,
             late_from=late_from,
-            first_arrivals=awaited.first,
-            last_arrivals=awaited.last,
+            first_arrivals=state.first,
+            last_arrivals=state.last,
         )
 
+    def close_key(self, kind: Kind, step: int, bucket: int) -> None:
+        """Stop receiving (kind, step, bucket), opened or not: what comes for it is late."""
+        key = (int(kind), step, bucket)
+        self._open.pop(key, None)
+        self._waiting.pop(key, None)
+        self._close(key)
+
     @staticmethod
-    def _limits(awaited: _Awaited, deadline: float, transfer: float | None,
+    def _limits(state: _Open, deadline: float, transfer: float | None,
                 start_by: Mapping[int, float], now: float) -> dict[int, float]:
         """The senders that still owe chunks and are within their limit, with that limit."""
         limits = {}
-        for sender, owed in awaited.outstanding.items():
+        for sender, owed in state.owed.items():
             if owed <= 0:
                 continue
             limit = deadline
             if transfer is not None:
-                first = awaited.first.get(sender)
+                first = state.first.get(sender)
                 limit = min(deadline, first + transfer if first is not None
                             else start_by.get(sender, deadline))
             if limit > now:
@@ -476,8 +677,8 @@ class DatagramEndpoint:
         snapshot = {}
         for peer in sorted(self._counters):
             counters = dataclasses.replace(self._counters[peer])
-            sequence = self._sequences.get(peer)
-            counters.datagrams_lost = self._lost_before[peer] + (sequence.lost if sequence else 0)
+            stream = self._streams.get(peer)
+            counters.datagrams_lost = self._lost_before[peer] + (stream.lost if stream else 0)
             snapshot[peer] = counters
         return snapshot
 
@@ -507,74 +708,110 @@ class DatagramEndpoint:
     # -- receiving --------------------------------------------------------------------------
 
     def _wait(self, timeout: float) -> None:
-        if self._poll.poll(max(timeout, 0.0) * 1000):
+        """Read what comes within `timeout` seconds: while datagrams flow, after a nap (one
+        read then takes a batch); otherwise as soon as one is there."""
+        if self._flowing:
+            time.sleep(min(max(timeout, 0.0), NAP_SECONDS))
+            self._drain()
+        elif self._poll.poll(max(timeout, 0.0) * 1000):
             self._drain()
 
     def _drain(self) -> None:
-        """Read up to DRAIN_BATCH queued datagrams. Nothing a peer sends makes this raise."""
-        for _ in range(DRAIN_BATCH):
-            buffer = bytearray(HEADER_SIZE + self.capacity + 1)  # one more: see oversize
+        """Read up to DRAIN_BATCH queued datagrams, a ring's worth per system call. Nothing a
+        peer sends makes this raise."""
+        ring, fd, total = self._ring, self._sock.fileno(), 0
+        while total < DRAIN_BATCH:
             try:
-                size, source = self._sock.recvfrom_into(buffer, 0, socket.MSG_DONTWAIT)
-            except BlockingIOError:
-                return
+                count = ring.receive(fd)
             except OSError:
                 self._receive_errors += 1
+                break
+            if count:
+                self._receive(ring.slots[:count], ring.lengths(count), time.monotonic())
+            total += count
+            if count < ring.count:
+                break
+        self._flowing = total > 0
+
+    def _receive(self, rows: np.ndarray, lengths: np.ndarray, now: float) -> None:
+        """One batch just read: check it, then sequence, count and route each sender's part
+        (streams and first copies are per sender; usually a batch holds one)."""
+        headers = headers_of(rows)
+        ok = accepted(headers, lengths, self.run_id, capacity=self.capacity)
+        for i in np.flatnonzero(~ok).tolist():  # the decoder names the fault, one by one
+            try:
+                decode(rows[i, :lengths[i]], self.run_id, capacity=self.capacity)
+            except MalformedDatagram as exc:
+                source = address_of(self._ring.names[i])
+                self._reject(self._ranks.get(source, UNKNOWN_PEER), exc.reason)
+            else:
+                ok[i] = True
+        if not ok.any():
+            return
+        batch = _Batch(rows, headers, np.full(len(rows), now))
+        if not ok.all():
+            batch = batch.take(ok)
+        senders = batch["sender"]
+        if senders.min() == senders.max():
+            self._take(int(senders[0]), batch)
+            return
+        for sender in np.unique(senders).tolist():
+            self._take(sender, batch.take(senders == sender))
+
+    def _take(self, sender: int, batch: _Batch) -> None:
+        """Datagrams from one sender, in arrival order: replays dropped (counted), the rest
+        counted and routed."""
+        took = np.zeros(len(batch), dtype=bool)
+        # runs of one incarnation, in order: a new one retires the stream before it
+        incarnations, seqs = batch["incarnation"], batch["seq"]
+        runs = np.flatnonzero(incarnations[1:] != incarnations[:-1]) + 1
+        for start, end in zip([0, *runs.tolist()], [*runs.tolist(), len(batch)], strict=True):
+            stream = self._streams.get(sender)
+            incarnation = int(incarnations[start])
+            if stream is None or stream.incarnation != incarnation:
+                if incarnation in self._retired[sender]:
+                    continue
+                if stream is not None:
+                    self._retired[sender].add(stream.incarnation)
+                    self._lost_before[sender] += stream.lost
+                stream = self._streams[sender] = _Stream(incarnation, int(seqs[start]),
+                                                         self.replay_window)
+                took[start] = True
+                start += 1
+            if start < end:
+                took[start:end] = stream.accept(seqs[start:end])
+        kept = int(took.sum())
+        if kept < len(batch):
+            self._counters[sender].datagrams_replayed += len(batch) - kept
+            self._rejected[Reason.REPLAYED] += len(batch) - kept
+            batch = batch.take(took)
+        if kept:
+            counters = self._counters[sender]
+            counters.datagrams_received += kept
+            counters.bytes_received += int(batch["payload_len"].sum()) + kept * HEADER_SIZE
+            self._route(sender, batch)
+
+    def _route(self, sender: int, batch: _Batch) -> None:
+        """Each datagram to its opened key, to the keys waiting to be opened, or late."""
+        rest = np.ones(len(batch), dtype=bool)
+        for (kind, step, bucket), state in self._open.items():
+            mine = (batch["kind"] == kind) & (batch["step"] == step) & (batch["bucket"] == bucket)
+            if mine.all():
+                state.deliver(sender, batch, self._chunk_numel)
                 return
-            self._accept(memoryview(buffer)[:size], source[:2], time.monotonic())
-
-    def _accept(self, datagram: memoryview, source: tuple[str, int], now: float) -> None:
-        try:
-            if len(datagram) > HEADER_SIZE + self.capacity:
-                raise MalformedDatagram(Reason.OVERSIZE)
-            header = decode(datagram, self.run_id)
-            full = self._full[header.codec]
-            if header.payload_len > full or (
-                header.chunk < header.chunks - 1 and header.payload_len != full
-            ):
-                raise MalformedDatagram(Reason.MTU_MISMATCH)
-        except MalformedDatagram as exc:
-            self._reject(self._ranks.get(source, UNKNOWN_PEER), exc.reason)
-            return
-        sender = header.sender
-        sequence = self._sequence(sender, header.incarnation, header.seq)
-        if sequence is None or not sequence.accept(header.seq):
-            self._reject(sender, Reason.REPLAYED)
-            return
-        counters = self._counters[sender]
-        counters.datagrams_received += 1
-        counters.bytes_received += len(datagram)
-        key = (header.kind, header.step, header.bucket)
-        if header.step < self._closed_below or key in self._closed:
-            counters.datagrams_late += 1
-            self._late[header.kind, sender] += 1
-            return
-        payload = datagram[HEADER_SIZE:]
-        awaited = self._awaited
-        if awaited is not None and awaited.key == key:
-            landing = awaited.landings.get(sender)
-            if landing is not None:
-                if not landing.land(header.chunk, header.chunks, header.codec, payload):
-                    return
-                payload = EMPTY
-        chunk = Chunk(sender, header.chunk, header.chunks, CODECS[header.codec], payload, now)
-        self._pending.setdefault(key, {}).setdefault((sender, header.chunk), chunk)
-        if awaited is not None and awaited.key == key:
-            awaited.arrived(sender, header.chunk, header.chunks, now)
-
-    def _sequence(self, sender: int, incarnation: int, seq: int) -> _Sequence | None:
-        """The sender's stream; a new incarnation (the sender restarted) retires the old one,
-        whose datagrams are replays from then on."""
-        sequence = self._sequences.get(sender)
-        if sequence is not None and sequence.incarnation == incarnation:
-            return sequence
-        if incarnation in self._retired[sender]:
-            return None
-        if sequence is not None:
-            self._retired[sender].add(sequence.incarnation)
-            self._lost_before[sender] += sequence.lost
-        sequence = self._sequences[sender] = _Sequence(incarnation, seq, self.replay_window)
-        return sequence
+            if mine.any():
+                state.deliver(sender, batch.take(mine), self._chunk_numel)
+                rest &= ~mine
+        waiting: dict[Key, list[int]] = defaultdict(list)
+        for i in np.flatnonzero(rest).tolist():
+            key = (int(batch["kind"][i]), int(batch["step"][i]), int(batch["bucket"][i]))
+            if key[1] < self._closed_below or key in self._closed:
+                self._counters[sender].datagrams_late += 1
+                self._late[key[0], sender] += 1
+            else:
+                waiting[key].append(i)
+        for key, rows in waiting.items():
+            self._waiting.setdefault(key, []).append(batch.take(np.array(rows)))
 
     def _reject(self, peer: int, reason: Reason) -> None:
         self._rejected[reason] += 1
@@ -591,19 +828,28 @@ class DatagramEndpoint:
             return
         self._closed_below = floor
         self._closed = {k for k in self._closed if k[1] >= floor}
-        for old in [k for k in self._pending if k[1] < floor]:
-            for chunk in self._pending.pop(old).values():
-                self._counters[chunk.sender].datagrams_late += 1
-                self._late[old[0], chunk.sender] += 1
+        for old in [k for k in self._waiting if k[1] < floor]:
+            for batch in self._waiting.pop(old):
+                for sender, count in Counter(batch["sender"].tolist()).items():
+                    self._counters[sender].datagrams_late += count
+                    self._late[old[0], sender] += count
 
     # -- sending ----------------------------------------------------------------------------
 
     def _pace(self, frame_bytes: int) -> None:
-        """Wait for pacing tokens, reading the socket meanwhile."""
+        """Wait for pacing tokens, reading the socket meanwhile every READ_INTERVAL: often
+        enough that the receive buffer never fills, seldom enough that a read takes a batch."""
         now = time.monotonic()
         until = now + self._bucket.take(frame_bytes, now)
-        while (remaining := until - time.monotonic()) > 0:
-            self._wait(remaining)
+        while True:
+            if now >= self._read_due:
+                self._drain()
+                self._read_due = now + READ_INTERVAL
+                now = time.monotonic()
+            if now >= until:
+                return
+            time.sleep(min(until, self._read_due) - now)
+            now = time.monotonic()
 
 
 def _buffer(sock: socket.socket, option: int, force: int, size: int) -> int:
@@ -615,7 +861,6 @@ def _buffer(sock: socket.socket, option: int, force: int, size: int) -> int:
     return sock.getsockopt(socket.SOL_SOCKET, option)
 
 
-def expected_chunks(senders: Collection[int], numel: int, chunk_numel: int) -> set[tuple[int, int]]:
-    """The (sender, index) pairs of a `numel`-element tensor from each sender."""
-    count = max(1, math.ceil(numel / chunk_numel))
-    return {(sender, index) for sender in senders for index in range(count)}
+def expected_chunks(senders: Collection[int], numel: int, chunk_numel: int) -> dict[int, int]:
+    """The chunk count of a `numel`-element tensor, per sender: `collect`'s `expected`."""
+    return dict.fromkeys(senders, chunk_count(numel, chunk_numel))

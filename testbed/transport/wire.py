@@ -2,16 +2,20 @@
 
 Everything is big-endian and every field sits at an offset that is a multiple of its size, so
 a payload right after the 44-byte datagram header is 4-byte aligned and can be viewed as float32
-without a copy. No torch here: the format is plain bytes, decoded with `struct` one datagram at a
-time and encoded with numpy for a whole tensor's chunks at once.
+without a copy. No torch here: the format is plain bytes, encoded with numpy for a whole tensor's
+chunks at once, checked with numpy for a whole batch of received datagrams at once
+(`header_view`, `accepted`), and decoded with `struct` one datagram at a time.
 
 Network input is untrusted: `decode` either returns a header whose every field is consistent
 with the datagram's length, or raises `MalformedDatagram` with a `Reason` (never anything else),
-so a receive loop can count the reason and go on.
+so a receive loop can count the reason and go on. `accepted` is its vectorised twin for the
+common case; a receive loop asks `decode` about the datagrams `accepted` turns down, and the
+decoder's word is final.
 """
 
 from __future__ import annotations
 
+import functools
 import struct
 from enum import IntEnum, StrEnum
 from typing import NamedTuple
@@ -53,6 +57,10 @@ class Codec(IntEnum):
 
 ITEMSIZE = {Codec.BYTES: 1, Codec.FLOAT32: 4, Codec.FLOAT16: 2, Codec.BFLOAT16: 2, Codec.INT8: 1}
 _KINDS = frozenset(int(kind) for kind in Kind)
+# Lookup tables over every value of the u8 kind and u16 codec fields, for `accepted`.
+_KIND_VALID = np.isin(np.arange(256), list(_KINDS))
+_ITEMSIZES = np.zeros(65536, dtype=np.int64)  # 0: no such codec
+_ITEMSIZES[list(ITEMSIZE)] = list(ITEMSIZE.values())
 
 
 class Reason(StrEnum):
@@ -126,6 +134,7 @@ HEADER = _struct(_DATAGRAM_FIELDS)
 HEADER_SIZE = HEADER.size  # 44
 _NUMPY_CODES = {"B": ">u1", "H": ">u2", "I": ">u4", "Q": ">u8"}
 HEADER_DTYPE = np.dtype([(name, _NUMPY_CODES[code]) for name, code in _DATAGRAM_FIELDS])
+NATIVE_HEADER_DTYPE = HEADER_DTYPE.newbyteorder("=")
 FRAME = _struct(_FRAME_FIELDS)
 FRAME_SIZE = FRAME.size  # 28
 
@@ -199,11 +208,22 @@ def encode_headers(template: Header, seq: int, payload_lens: np.ndarray) -> np.n
     return headers.view(np.uint8).reshape(n, HEADER_SIZE)
 
 
-def decode(datagram: bytes | bytearray | memoryview, run_id: int | None = None) -> Header:
+def full_payload(capacity: int, itemsize: int) -> int:
+    """Payload bytes of a full chunk: the whole elements that `capacity` bytes hold."""
+    return capacity // itemsize * itemsize
+
+
+def decode(datagram: bytes | bytearray | memoryview, run_id: int | None = None, *,
+           capacity: int | None = None) -> Header:
     """The header of a whole datagram, checked against its length; raises `MalformedDatagram`.
 
-    With `run_id`, a header of another run is `FOREIGN_RUN`.
+    With `run_id`, a header of another run is `FOREIGN_RUN`. With `capacity` (the receiver's
+    `payload_capacity`), a datagram cut for another MTU is refused: a longer one as `OVERSIZE`,
+    one whose chunks would not start at multiples of the receiver's chunk size (a chunk other
+    than the last that is not full, or any longer than full) as `MTU_MISMATCH`.
     """
+    if capacity is not None and len(datagram) > HEADER_SIZE + capacity:
+        raise MalformedDatagram(Reason.OVERSIZE, f"{len(datagram)} bytes")
     if len(datagram) < HEADER_SIZE:
         raise MalformedDatagram(Reason.TRUNCATED, f"{len(datagram)} bytes")
     header = Header._make(HEADER.unpack_from(datagram))
@@ -216,7 +236,63 @@ def decode(datagram: bytes | bytearray | memoryview, run_id: int | None = None) 
         )
     if header.payload_len % ITEMSIZE[header.codec]:
         raise MalformedDatagram(Reason.BAD_PAYLOAD, f"{header.payload_len} bytes")
+    if capacity is not None:
+        full = full_payload(capacity, ITEMSIZE[header.codec])
+        if header.payload_len > full or (
+            header.chunk < header.chunks - 1 and header.payload_len != full
+        ):
+            raise MalformedDatagram(
+                Reason.MTU_MISMATCH, f"chunk {header.chunk} of {header.chunks} has "
+                f"{header.payload_len} bytes, a full one here {full}")
     return header
+
+
+def headers_of(rows: np.ndarray) -> np.ndarray:
+    """The headers at the start of the rows of a C-contiguous (k, stride) uint8 array (one
+    datagram per row), as a structured array of NATIVE_HEADER_DTYPE: one copy of the k
+    headers, in this host's byte order, so every field after it is a plain integer view."""
+    return rows.view(_row_dtype(rows.shape[1]))[:, 0].astype(NATIVE_HEADER_DTYPE)
+
+
+@functools.cache
+def _row_dtype(stride: int) -> np.dtype:
+    """HEADER_DTYPE's fields at the start of a `stride`-byte row."""
+    names = HEADER_DTYPE.names
+    return np.dtype({
+        "names": names,
+        "formats": [HEADER_DTYPE.fields[name][0] for name in names],
+        "offsets": [HEADER_DTYPE.fields[name][1] for name in names],
+        "itemsize": stride,
+    })
+
+
+def accepted(headers: np.ndarray, lengths: np.ndarray, run_id: int | None = None, *,
+             capacity: int | None = None) -> np.ndarray:
+    """`decode` for a batch: which of the datagrams (`headers` as `headers_of` gives them,
+    `lengths` in bytes received) it would accept, a bool each. Where a datagram is shorter
+    than a header, its row's header bytes are whatever the buffer held; it is refused all the
+    same."""
+    itemsize = _ITEMSIZES[headers["codec"]]
+    size = np.maximum(itemsize, 1)
+    payload, chunk, chunks = headers["payload_len"], headers["chunk"], headers["chunks"]
+    ok = (
+        (lengths >= HEADER_SIZE)
+        & (headers["magic"] == MAGIC)
+        & (headers["version"] == VERSION)
+        & _KIND_VALID[headers["kind"]]
+        & (itemsize > 0)
+        & (chunk < chunks)
+        & (payload == lengths - HEADER_SIZE)
+        & (payload % size == 0)
+    )
+    if run_id is not None:
+        ok &= headers["run_id"] == run_id
+    if capacity is not None:
+        full = capacity // size * itemsize
+        # chunk < chunks where it counts, so chunks - chunk cannot wrap there
+        ok &= (lengths <= HEADER_SIZE + capacity) & (payload <= full) & (
+            (chunks - chunk == 1) | (payload == full))
+    return ok
 
 
 def encode_frame(header: FrameHeader) -> bytes:

@@ -54,7 +54,7 @@ def endpoints(lab: Lab, **receiver_options) -> tuple[DatagramEndpoint, DatagramE
     receiver.add_peer(0, sender.address)
     # ARP first: a burst into an unresolved neighbour overflows its queue (another loss)
     sender.send_tensor(1, Kind.CONTROL, 0, 0, torch.zeros(1))
-    warm = receiver.collect(Kind.CONTROL, 0, 0, {(0, 0)}, time.monotonic() + WAIT)
+    warm = receiver.collect(Kind.CONTROL, 0, 0, {0: 1}, time.monotonic() + WAIT)
     assert not warm.missing, "the warm-up datagram did not arrive"
     return sender, receiver
 
@@ -64,7 +64,7 @@ def end_marker(sender: DatagramEndpoint, receiver: DatagramEndpoint) -> None:
     lost and as rcvbuf drops alike)."""
     for attempt in range(20):
         sender.send_tensor(1, Kind.CONTROL, 1, attempt, torch.zeros(1))
-        marker = receiver.collect(Kind.CONTROL, 1, attempt, {(0, 0)}, time.monotonic() + 0.5)
+        marker = receiver.collect(Kind.CONTROL, 1, attempt, {0: 1}, time.monotonic() + 0.5)
         if not marker.missing:
             return
     pytest.fail("no end marker arrived")

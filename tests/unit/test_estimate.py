@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -50,16 +51,25 @@ def test_unbiased_under_value_independent_loss(loss):
     assert estimates.var(0).mean() > 1.0 / world
 
 
-def test_a_partial_contribution_adds_like_its_chunks_one_by_one():
+def test_chunks_added_at_once_add_like_one_by_one():
+    """As a batch comes off the wire: rows of chunk_numel values, in any order, the last
+    chunk's row longer than the shard's tail (its extra values are not the shard's)."""
     grads = torch.arange(2 * 7, dtype=torch.float64).reshape(2, 7)
     arrived = torch.tensor([[True, True, True, True], [True, False, False, True]])
     by_chunk = _estimate(grads, arrived, chunk=2)
     acc = ChunkAccumulator(7, 2, dtype=grads.dtype)
     acc.add_all(grads[0])
-    acc.add_partial(grads[1] * arrived[1].repeat_interleave(2)[:7], arrived[1])
+    rows = torch.cat([grads[1], torch.tensor([99.0], dtype=grads.dtype)]).view(4, 2).numpy()
+    index = np.array([3, 0])
+    acc.add_chunks(index, rows[index])
     torch.testing.assert_close(acc.mean(), by_chunk)
     expected = torch.tensor([2.0, 1.0, 1.0, 2.0], dtype=torch.float64)
     torch.testing.assert_close(acc.coverage(), expected)
+    out = torch.empty(7, dtype=grads.dtype)
+    assert acc.mean(out=out) is out
+    torch.testing.assert_close(out, by_chunk)
+    acc.mean(out=acc.total)  # in place
+    torch.testing.assert_close(acc.total, by_chunk)
 
 
 def test_weights_count_micro_batches():

@@ -31,7 +31,7 @@ def test_a_full_receive_buffer_is_counted_as_rcvbuf_drops():
         receiver.poll()
         for attempt in range(20):  # a marker the still-full buffer drops is lost and counted too
             sender.send_tensor(1, Kind.CONTROL, 1, attempt, torch.zeros(1))
-            marker = receiver.collect(Kind.CONTROL, 1, attempt, {(0, 0)}, time.monotonic() + 0.5)
+            marker = receiver.collect(Kind.CONTROL, 1, attempt, {0: 1}, time.monotonic() + 0.5)
             if not marker.missing:
                 break
         assert not marker.missing, "no marker got through"

@@ -1,5 +1,6 @@
-"""The wire format: every field survives a round trip, every rejection has its reason, and no
-bytes at all make the decoder raise anything but MalformedDatagram."""
+"""The wire format: every field survives a round trip, every rejection has its reason, no bytes
+at all make the decoder raise anything but MalformedDatagram, and the vectorised check of a
+batch accepts exactly what the decoder accepts."""
 
 from __future__ import annotations
 
@@ -22,12 +23,14 @@ from testbed.transport.wire import (
     Kind,
     MalformedDatagram,
     Reason,
+    accepted,
     chunk_numel,
     decode,
     decode_frame,
     encode,
     encode_frame,
     encode_headers,
+    headers_of,
     payload_capacity,
 )
 
@@ -109,6 +112,62 @@ def test_each_rejection_has_its_reason(raw, reason):
     assert caught.value.reason is reason
 
 
+CAPACITY = 16  # payload bytes a receiver takes: 4 float32 values per chunk
+
+
+@pytest.mark.parametrize(
+    ("raw", "reason"),
+    [
+        (datagram(b"\0" * 20, chunk=3, chunks=4), Reason.OVERSIZE),  # longer than the MTU
+        (datagram(b"\0" * 8, chunk=1, chunks=4), Reason.MTU_MISMATCH),  # not full, not last
+        (datagram(b"\0" * 6, codec=Codec.INT8, chunk=0, chunks=2), Reason.MTU_MISMATCH),
+        (datagram(b"\0" * 20)[:HEADER_SIZE - 2], Reason.TRUNCATED),
+    ],
+)
+def test_with_a_capacity_chunks_cut_for_another_mtu_are_refused(raw, reason):
+    with pytest.raises(MalformedDatagram) as caught:
+        decode(raw, RUN, capacity=CAPACITY)
+    assert caught.value.reason is reason
+    assert decode(datagram(b"\0" * 16, chunk=1, chunks=4), RUN, capacity=CAPACITY).chunk == 1
+    assert decode(datagram(b"\0" * 8, chunk=3, chunks=4), RUN, capacity=CAPACITY).chunk == 3
+
+
+def rows_of(datagrams: list[bytes], size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Datagrams as a receive ring holds them: one per row of `stride` bytes (cut to `size`,
+    as the kernel cuts what does not fit its slot; the rest of a row is stale bytes), and the
+    length of each."""
+    stride = -(-size // 64) * 64
+    rows = np.frombuffer(np.random.default_rng(0).bytes(len(datagrams) * stride),
+                         dtype=np.uint8).reshape(len(datagrams), stride).copy()
+    for row, raw in zip(rows, datagrams, strict=True):
+        row[:min(len(raw), size)] = np.frombuffer(raw[:size], dtype=np.uint8)
+    return rows, np.array([min(len(raw), size) for raw in datagrams])
+
+
+def _batch_agrees_with_decode(datagrams: list[bytes], capacity: int | None) -> None:
+    size = HEADER_SIZE + (capacity if capacity is not None else 64) + 1
+    rows, lengths = rows_of(datagrams, size)
+    ok = accepted(headers_of(rows), lengths, RUN, capacity=capacity)
+    for verdict, row, length in zip(ok.tolist(), rows, lengths.tolist(), strict=True):
+        try:
+            decode(row[:length], RUN, capacity=capacity)
+        except MalformedDatagram:
+            assert not verdict
+        else:
+            assert verdict
+
+
+def test_a_batch_is_checked_as_each_of_its_datagrams_would_be():
+    datagrams = [datagram(b"\0" * 16, chunk=i, chunks=4) for i in range(3)]
+    datagrams += [datagram(b"\0" * 8, chunk=3, chunks=4), datagram(b"\0" * 8, chunk=1),
+                  datagram(run_id=RUN + 1), b"", b"\x54\x42" * 30]
+    rows, lengths = rows_of(datagrams, HEADER_SIZE + CAPACITY + 1)
+    ok = accepted(headers_of(rows), lengths, RUN, capacity=CAPACITY)
+    assert ok.tolist() == [True, True, True, True, False, False, False, False]
+    _batch_agrees_with_decode(datagrams, CAPACITY)
+    _batch_agrees_with_decode(datagrams, None)
+
+
 def test_reasons_fall_into_the_per_peer_categories():
     assert {r.category for r in Reason} == {"foreign", "replayed", "malformed"}
     assert Reason.FOREIGN_RUN.category == Reason.BAD_MAGIC.category == "foreign"
@@ -169,11 +228,39 @@ def test_fuzz_arbitrary_bytes(raw):
     ),
 )
 def test_fuzz_mutated_valid_datagrams(payload, flips, cut, fields):
+    _decodes_or_rejects(_mutated(payload, flips, cut, fields))
+
+
+def _mutated(payload: bytes, flips: list[tuple[int, int]], cut: int,
+             fields: dict[str, int]) -> bytes:
     raw = bytearray(HEADER.pack(*header(payload_len=len(payload))._replace(**fields)) + payload)
     for position, mask in flips:
         raw[position % len(raw)] ^= mask
-    raw = raw[: len(raw) + cut] if cut < 0 else raw + bytes(cut)
-    _decodes_or_rejects(bytes(raw))
+    return bytes(raw[: len(raw) + cut] if cut < 0 else raw + bytes(cut))
+
+
+_MUTATED = st.builds(
+    _mutated,
+    payload=st.binary(max_size=24),
+    flips=st.lists(st.tuples(st.integers(0, 10**6), st.integers(1, 255)), max_size=3),
+    cut=st.integers(-8, 8),
+    fields=st.fixed_dictionaries({}, optional={
+        "kind": st.integers(0, 255),
+        "codec": st.sampled_from([0, 1, 2, 3, 4, 5, 65535]),
+        "chunk": st.integers(0, 5),
+        "chunks": st.integers(0, 5),
+        "payload_len": st.integers(0, 24),
+        "version": st.integers(0, 2),
+    }),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.one_of(st.binary(max_size=3 * HEADER_SIZE), _MUTATED), min_size=1,
+                max_size=24),
+       st.sampled_from([None, 8, CAPACITY, 18]))
+def test_fuzz_batches_are_checked_as_their_datagrams(datagrams, capacity):
+    _batch_agrees_with_decode(datagrams, capacity)
 
 
 @settings(max_examples=200, deadline=None)
