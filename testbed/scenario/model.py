@@ -273,9 +273,9 @@ class Compressor(_Model):
     kind: CompressorKind = Field(default="none", description="none, topk, randk, arc_topk, "
                                  "int8, int4 or powersgd.")
     density: float = Field(default=0.01, gt=0, le=1, description="Fraction of the values a "
-                           "sparsifier sends (arc_topk: of the blocks).")
-    block: int = Field(default=64, ge=1, description="arc_topk: coordinates per block of the "
-                       "sketch (one squared norm per block).")
+                           "sparsifier sends.")
+    block: int = Field(default=64, ge=1, description="arc_topk without the parameters' shapes "
+                       "(a DDP bucket): values per row of the sketch.")
     group_size: int = Field(default=128, ge=2, le=65536, multiple_of=2, description="int8/int4: "
                             "values per scale (32-256 usual).")
     symmetric: bool = Field(default=True, description="int8/int4: symmetric (scale) or "

@@ -15,11 +15,12 @@ from testbed.collectives.compression import quantize as q
 from testbed.collectives.compression import wrap
 from testbed.collectives.compression.feedback import EF21M
 from testbed.collectives.compression.sparsify import (
-    block_coordinates,
-    block_sketch,
     count_of,
+    layout,
+    marginal_scores,
+    marginal_sketch,
     random_coordinates,
-    top_blocks,
+    top_coordinates,
 )
 from testbed.collectives.lossy import Lossy
 from testbed.collectives.ring import Ring
@@ -151,15 +152,45 @@ def test_ef21m_rejects_a_momentum_out_of_range():
 # --- patterns -----------------------------------------------------------------------------------
 
 
-def test_blocks_ties_and_coordinates():
-    sketch = torch.tensor([1.0, 5.0, 5.0, 0.0, 5.0])
-    assert top_blocks(sketch, 2).tolist() == [1, 2], "ties go to the lower block"
-    assert block_coordinates(torch.tensor([1, 4]), 3, 14).tolist() == [3, 4, 5, 12, 13]
-    x = torch.arange(10, dtype=torch.float32)
-    torch.testing.assert_close(block_sketch(x, 4), torch.tensor([14.0, 126.0, 145.0]))
+def test_ties_go_to_the_lower_coordinates_and_seeds_agree():
+    scores = torch.tensor([1.0, 5.0, 5.0, 0.0, 5.0, 9.0])
+    assert top_coordinates(scores, 3).tolist() == [1, 2, 5], "ties go to the lower coordinate"
+    assert top_coordinates(scores, 6).tolist() == list(range(6))
     a, b = random_coordinates(1000, 10, 3, 7, 1), random_coordinates(1000, 10, 3, 7, 1)
     assert torch.equal(a, b) and a.unique().numel() == 10
     assert not torch.equal(a, random_coordinates(1000, 10, 3, 8, 1))
+
+
+def test_the_layout_follows_the_shapes_or_falls_back_to_blocks():
+    shapes = [(40, 3, 3), (40,), (10, 360), (2, 2)]
+    numel = 40 * 9 + 40 + 3600 + 4
+    # A 2 x 2 weight is cheaper sketched per coordinate (4 values) than as a matrix (5).
+    assert layout(shapes, numel, 64) == [(0, 40, 9), (360, 40, 1), (400, 10, 360),
+                                         (4000, 4, 1)]
+    assert layout(shapes, numel + 1, 64) == [(0, 62, 64), (3968, 37, 1)], "shapes that do " \
+        "not add up (a DDP bucket): rows of `block` values and the ragged end"
+    assert layout(None, 128, 64) == [(0, 2, 64)]
+
+
+def test_the_marginal_sketch_scores_a_rank_one_energy_exactly():
+    """Where the energy of a weight's gradient is rank one (one sample: the outer product of
+    the output error and the input), rows and columns give every coordinate's energy exactly,
+    so ARC-Top-K picks the true top coordinates from a sketch of rows + cols + 1 values; a
+    vector is sketched per coordinate."""
+    generator = torch.Generator().manual_seed(0)
+    u, v = torch.randn(30, generator=generator), torch.randn(50, generator=generator)
+    bias = torch.randn(30, generator=generator)
+    x = torch.cat([torch.outer(u, v).reshape(-1), bias])
+    pieces = layout([(30, 50), (30,)], x.numel(), 64)
+    sketch = marginal_sketch(x, pieces)
+    assert sketch.numel() == 30 + 50 + 1 + 30
+    torch.testing.assert_close(marginal_scores(sketch, pieces, x.numel()), x.square())
+    # Summed over workers, the sketch is the sketch of the pooled energies.
+    halves = marginal_sketch(x / math.sqrt(2), pieces) * 2
+    torch.testing.assert_close(halves, sketch)
+    k = count_of(0.05, x.numel())
+    assert torch.equal(top_coordinates(marginal_scores(sketch, pieces, x.numel()), k),
+                       torch.topk(x.abs(), k).indices.sort().values)
 
 
 # --- over real collectives on loopback ----------------------------------------------------------
@@ -208,23 +239,25 @@ def test_arc_topk_pattern_is_identical_on_every_worker(inner):
     try:
         for step in range(4):
             inputs = gradients(world, numel, step)
-            for rank in range(world):  # each worker's own strongest blocks differ
+            for rank in range(world):  # each worker's own strongest coordinates differ
                 inputs[rank][2000 + 500 * rank: 2000 + 500 * rank + 64] += 4.0
             results = concurrently(*(lambda r=r, s=step, x=inputs: workers[r].allreduce(x[r], s)
                                      for r in range(world)))
-            patterns = [w.compressor.last_blocks for w in workers]
+            patterns = [w.compressor.last_index for w in workers]
             assert all(torch.equal(p, patterns[0]) for p in patterns), "patterns differ"
-            assert patterns[0].numel() == count_of(0.02, math.ceil((numel - 1) / 16))
+            assert patterns[0].numel() == count_of(0.02, numel - 1)
             if step == 0:  # (later, EF21M has sent them and v - g is small there)
-                # The blocks strong on every worker win over those strong on one.
-                assert {7, 8, 9} <= set(patterns[0].tolist())
+                # The coordinates strong on every worker win over those strong on one.
+                assert set(range(100, 164)) <= set(patterns[0].tolist())
             expected = torch.stack(inputs).mean(0)
+            # No shapes: rows of 16 values (624 of them, 16 columns, the total) and a column
+            # for the ragged end (15 values).
+            sketch = 624 + 16 + 1 + 15
             for result, stats in results:
                 torch.testing.assert_close(result[-1], expected[-1])  # the exact tail
                 assert stats.collective == f"{inner}+arc_topk"
-                # Values of the agreed blocks, the exact tail, and the sketch (one per block).
-                blocks = math.ceil((numel - 1) / 16)
-                sent = 16 * patterns[0].numel() + 1 + blocks
+                # Values at the agreed coordinates, the exact tail, and the sketch.
+                sent = patterns[0].numel() + 1 + sketch
                 assert stats.extra["compression_ratio"] == pytest.approx(sent / numel)
                 assert stats.bytes_sent > 0
             if inner == "ring":  # an exact inner: every worker holds the same estimate
@@ -232,6 +265,43 @@ def test_arc_topk_pattern_is_identical_on_every_worker(inner):
     finally:
         for w in workers:
             w.close()
+
+
+def test_ef21m_with_arc_topk_keeps_the_accumulated_error_bounded():
+    """EF21M around ARC-Top-K over a ring, 300 calls of drifting gradients that differ per
+    worker: every worker sends the same coordinates, what each holds back (||v_i - g_i||)
+    stays bounded, and the shared estimate g follows the mean gradient."""
+    world, steps = 3, 300
+    shapes = [(20, 50), (20,)]
+    numel = 20 * 50 + 20
+    workers = [wrap(c, "arc_topk", density=0.05) for c in ring_of(world)]
+    for worker in workers:
+        worker.set_shapes(shapes)
+    generator = torch.Generator().manual_seed(1)
+    base = torch.randn(world, numel, generator=generator)
+    residuals, gaps = [], []
+    try:
+        for step in range(steps):
+            grads = (base * (1 + 0.5 * math.sin(step / 40))
+                     + 0.1 * torch.randn(world, numel, generator=generator))
+            results = concurrently(*(lambda r=r, s=step, x=grads: workers[r].allreduce(x[r], s)
+                                     for r in range(world)))
+            patterns = [w.compressor.last_index for w in workers]
+            assert all(torch.equal(p, patterns[0]) for p in patterns), "patterns differ"
+            assert patterns[0].numel() == count_of(0.05, numel)
+            residuals.append(max(stats.extra["feedback_residual"] for _, stats in results))
+            mean = grads.mean(0)
+            gaps.append(float(torch.linalg.vector_norm(results[0][0] - mean)
+                              / torch.linalg.vector_norm(mean)))
+    finally:
+        for w in workers:
+            w.close()
+    # (The first call holds back nearly all of the gradient: v = x against g = 0.)
+    early, late = max(residuals[50: steps // 2]), max(residuals[steps // 2:])
+    assert late < 1.5 * early, "the held-back error keeps growing"
+    assert late < 0.4 * float(torch.linalg.vector_norm(base, dim=1).max()), late
+    # 5% of the coordinates a call, yet g stays a fair estimate of the drifting mean.
+    assert max(gaps[steps // 2:]) < 0.5, max(gaps[steps // 2:])
 
 
 @pytest.mark.parametrize("kind", ["topk", "randk", "arc_topk", "int8", "int4", "powersgd"])
@@ -317,7 +387,7 @@ def test_over_lossy_a_lost_chunk_costs_its_values_and_a_resync_reunites_the_esti
             inputs = gradients(world, numel, step)
             results = concurrently(*(lambda r=r, s=step, x=inputs: workers[r].allreduce(x[r], s)
                                      for r in range(world)))
-            patterns = [w.compressor.last_blocks for w in workers]
+            patterns = [w.compressor.last_index for w in workers]
             assert all(torch.equal(p, patterns[0]) for p in patterns), "patterns differ"
             assert all(torch.isfinite(r).all() for r, _ in results)
             assert min(stats.coverage for _, stats in results) < 1.0, "nothing was lost?"

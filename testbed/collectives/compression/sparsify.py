@@ -1,6 +1,7 @@
 """Sparsifiers: Top-K (indices and values all-gathered), Rand-K (a shared seed picks the same
-coordinates everywhere) and ARC-Top-K (every worker picks the same blocks from an all-reduced
-sketch, so values travel index-free through any collective), each with EF21M error feedback.
+coordinates everywhere) and ARC-Top-K (every worker picks the same coordinates from an
+all-reduced sketch, so values travel index-free through any collective), each with EF21M error
+feedback.
 
 Every sparsifier turns this worker's vector x (with EF21M: v_i - g_i) into c_i = x on a
 pattern of coordinates and 0 elsewhere; the patterns differ per worker only for Top-K.
@@ -9,6 +10,7 @@ pattern of coordinates and 0 elsewhere; the patterns differ per worker only for 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,26 +38,79 @@ def count_of(density: float, numel: int) -> int:
     return max(1, min(numel, math.ceil(density * numel)))
 
 
-def block_sketch(x: torch.Tensor, block: int) -> torch.Tensor:
-    """Per block of `block` consecutive coordinates (the last one shorter), the squared L2
-    norm of x there: the small sketch ARC-Top-K all-reduces (numel / block values)."""
-    blocks = math.ceil(x.numel() / block)
-    padded = torch.zeros(blocks * block, dtype=torch.float32)
-    padded[: x.numel()] = x
-    return padded.view(blocks, block).square().sum(dim=1)
+def layout(shapes: Sequence[tuple[int, ...]] | None, numel: int,
+           block: int) -> list[tuple[int, int, int]]:
+    """The flat vector as pieces (start, rows, cols) for ARC-Top-K's sketch: each weight of
+    two or more dimensions a matrix (shape[0] x the rest), every other tensor a column
+    (cols 1: sketched per coordinate). Without `shapes` (or if they do not add up to `numel`,
+    as for a DDP bucket) the vector is one matrix of rows of `block` consecutive values, its
+    rows the blocks, and a column for the ragged end."""
+    pieces, start = [], 0
+    if shapes is None or sum(math.prod(shape) for shape in shapes) != numel:
+        rows = numel // block
+        sizes = [(rows, block)] if rows else []
+        if numel - rows * block:
+            sizes.append((numel - rows * block, 1))
+    else:
+        sizes = []
+        for shape in shapes:
+            size = math.prod(shape)
+            rows = shape[0] if len(shape) >= 2 else size
+            # A matrix's sketch is rows + cols + 1 values: worth it only when that is smaller.
+            sizes.append((rows, size // rows) if rows + size // rows + 1 < size else (size, 1))
+    for rows, cols in sizes:
+        if rows * cols:
+            pieces.append((start, rows, cols))
+        start += rows * cols
+    return pieces
 
 
-def top_blocks(sketch: torch.Tensor, count: int) -> torch.Tensor:
-    """The `count` blocks of largest aggregated sketch, in ascending order. Ties go to the
-    lower block (a stable sort): the same sketch gives the same blocks on every worker."""
-    order = torch.sort(sketch, descending=True, stable=True).indices[:count]
-    return order.sort().values
+def marginal_sketch(x: torch.Tensor, pieces: list[tuple[int, int, int]]) -> torch.Tensor:
+    """What one worker adds to ARC-Top-K's sketch: per matrix piece the energy (sum of
+    squares) of each row, of each column and of the whole; per column piece the energy of
+    each coordinate. Sums of these over the workers are the same sums over the pooled
+    energies, so the sketch all-reduces."""
+    energy = x.to(torch.float32).square()
+    parts = []
+    for start, rows, cols in pieces:
+        piece = energy[start: start + rows * cols]
+        if cols == 1:
+            parts.append(piece)
+        else:
+            matrix = piece.view(rows, cols)
+            parts += [matrix.sum(dim=1), matrix.sum(dim=0), matrix.sum().reshape(1)]
+    return torch.cat(parts) if parts else torch.zeros(0)
 
 
-def block_coordinates(blocks: torch.Tensor, block: int, numel: int) -> torch.Tensor:
-    """The coordinates of `blocks` (ascending), cut at `numel`."""
-    index = (blocks[:, None] * block + torch.arange(block)[None, :]).reshape(-1)
-    return index[index < numel]
+def marginal_scores(sketch: torch.Tensor, pieces: list[tuple[int, int, int]],
+                    numel: int) -> torch.Tensor:
+    """Each coordinate's estimated energy from the summed sketch: R_a C_b / T in a matrix
+    (the rank-one estimate its row and column energies give), the energy itself in a column.
+    Elementwise arithmetic on the same sketch: bitwise the same on every worker."""
+    scores = torch.zeros(numel, dtype=torch.float32)
+    at = 0
+    for start, rows, cols in pieces:
+        if cols == 1:
+            scores[start: start + rows] = sketch[at: at + rows]
+            at += rows
+            continue
+        row, col = sketch[at: at + rows], sketch[at + rows: at + rows + cols]
+        total = sketch[at + rows + cols]
+        at += rows + cols + 1
+        if total > 0:
+            scores[start: start + rows * cols] = (row[:, None] * col[None, :] / total).reshape(-1)
+    return scores
+
+
+def top_coordinates(scores: torch.Tensor, count: int) -> torch.Tensor:
+    """The `count` coordinates of largest score, ascending; ties at the cut go to the lower
+    coordinates, so the same scores give the same pattern on every worker."""
+    if count >= scores.numel():
+        return torch.arange(scores.numel())
+    cut = torch.topk(scores, count, sorted=False).values.min()
+    above = torch.nonzero(scores > cut).reshape(-1)
+    tied = torch.nonzero(scores == cut).reshape(-1)[: count - above.numel()]
+    return torch.cat([above, tied]).sort().values
 
 
 def random_coordinates(numel: int, count: int, seed: int, step: int, call: int) -> torch.Tensor:
@@ -150,9 +205,11 @@ class RandK(Sparsifier):
 
 
 class ARCTopK(Sparsifier):
-    """ARC-Top-K: each worker sketches x as per-block squared norms (blocks of `block`); the
-    sketches are summed over the workers identically everywhere; every worker keeps the same
-    top density * blocks blocks, and their values travel index-free."""
+    """ARC-Top-K: each worker sketches x by the energies of the rows and columns of every
+    weight matrix (`layout`; without the shapes, of blocks of `block` values); the sketches
+    are summed over the workers identically everywhere; every worker keeps the same
+    density * n coordinates of largest estimated energy, and their values travel
+    index-free."""
 
     kind = "arc_topk"
 
@@ -161,15 +218,26 @@ class ARCTopK(Sparsifier):
         if block < 1:
             raise ValueError(f"block: expected 1 or more coordinates per block, got {block}")
         self.block = block
-        self.last_blocks: torch.Tensor | None = None  # for tests: the pattern agreed on
+        self.shapes: list[tuple[int, ...]] | None = None
+        self.last_index: torch.Tensor | None = None  # for tests: the pattern agreed on
+
+    def set_shapes(self, shapes: Sequence[Sequence[int]]) -> None:
+        """The shapes of the tensors the flat vectors are made of, in order."""
+        self.shapes = [tuple(int(d) for d in shape) for shape in shapes]
+
+    def scores(self, call, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """Every coordinate's score, the same on every worker, and the number of sketch values
+        this worker contributed."""
+        pieces = layout(self.shapes, x.numel(), self.block)
+        sketch = call.agree(marginal_sketch(x, pieces))
+        return marginal_scores(sketch, pieces, x.numel()), sketch.numel()
 
     def _exchange(self, call, x, tail, step):
-        sketch = call.agree(block_sketch(x, self.block))
-        blocks = top_blocks(sketch, count_of(self.density, sketch.numel()))
-        self.last_blocks = blocks
-        index = block_coordinates(blocks, self.block, x.numel())
+        scores, sketched = self.scores(call, x)
+        index = top_coordinates(scores, count_of(self.density, x.numel()))
+        self.last_index = index
         got = self._shared_pattern(call, index, x, tail)
-        got.payload_bytes += 4 * sketch.numel()
+        got.payload_bytes += 4 * sketched
         return got
 
 
