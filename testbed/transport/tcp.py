@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import math
 import socket
 import struct
@@ -41,6 +42,9 @@ from testbed.transport.wire import (
 )
 
 CONNECT_RETRY = 0.05  # seconds between attempts while a peer's listener is not up yet
+# A connect that fails with these is tried again: the peer's neighbour lookup can fail on a
+# lossy link (its ARP packets are shaped too), which says nothing about the peer.
+RETRIED = frozenset({errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN})
 HELLO_TIMEOUT = 5.0  # a caller says hello at once; a silent one must not hold up the others
 MAX_MESSAGE = 1 << 32  # a length beyond this is a broken or foreign stream, not a tensor
 _HELLO = struct.Struct("!H")  # HELLO payload: the rank the caller meant to reach
@@ -85,8 +89,9 @@ class Stream:
         timeout: float,
         congestion: str | None = None,
     ) -> Stream:
-        """Connect to `peer`'s listener (retrying while it refuses: it may not be up yet) and
-        say hello."""
+        """Connect to `peer`'s listener and say hello. Retries while the listener refuses (it
+        may not be up yet) or the host is unreachable (on a lossy link the neighbour lookup's
+        ARP packets are lost too: three lost in a row end a connect with EHOSTUNREACH)."""
         deadline = time.monotonic() + timeout
         where = f"rank {rank}: connecting to rank {peer} at {address[0]}:{address[1]}"
         while True:
@@ -95,19 +100,18 @@ class Stream:
                 sock.settimeout(max(deadline - time.monotonic(), 1e-3))
                 sock.connect(address)
                 break
-            except ConnectionRefusedError:
-                sock.close()
-                if time.monotonic() + CONNECT_RETRY > deadline:
-                    raise TransportTimeout(
-                        f"{where}: refused for {timeout:g} s; is its listener up?"
-                    ) from None
-                time.sleep(CONNECT_RETRY)
             except TimeoutError:
                 sock.close()
                 raise TransportTimeout(f"{where}: no answer within {timeout:g} s") from None
             except OSError as exc:
                 sock.close()
-                raise TransportError(f"{where}: {exc.strerror}") from None
+                if not isinstance(exc, ConnectionRefusedError) and exc.errno not in RETRIED:
+                    raise TransportError(f"{where}: {exc.strerror}") from None
+                if time.monotonic() + CONNECT_RETRY > deadline:
+                    raise TransportTimeout(
+                        f"{where}: {exc.strerror} for {timeout:g} s; is its listener up?"
+                    ) from None
+                time.sleep(CONNECT_RETRY)  # nothing to wait on: the peer is not there yet
         stream = cls(sock, address, rank=rank, peer=peer, run_id=run_id)
         try:
             stream.send_message(Kind.HELLO, 0, 0, _HELLO.pack(peer),

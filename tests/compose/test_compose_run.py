@@ -111,9 +111,12 @@ def test_a_compose_run_is_shaped_scraped_live_and_leaves_nothing(docker_engine, 
         others = {key: value for key, value in lost.items() if key != "peer=0,rank=1"}
         assert into_1 > 20, lost
         assert into_1 > 3 * max(others.values(), default=0.0), lost
-        # The workers stay in step: what is missing was lost, not late.
-        late = _query("sum(testbed_datagrams_late_total)")
-        assert sum(late.values()) < into_1 / 4, (late, lost)
+        # The workers stay in step: few datagrams come after their call closed (a worker
+        # descheduled mid-stream on a loaded host makes some; workers drifting apart in step
+        # made 44% of them late).
+        late = sum(_query("sum(testbed_datagrams_late_total)").values())
+        received = sum(_query("sum(testbed_datagrams_received_total)").values())
+        assert late < 0.1 * received, (late, received)
         profile = _query('testbed_link_profile_info{rank="1"}')
         assert profile, "worker 1 exports no link profile"
 
