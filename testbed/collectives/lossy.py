@@ -259,8 +259,8 @@ class Lossy:
             owner: Landing([result[starts[owner]:starts[owner + 1]], counts[owner]],
                            broadcast_numel) for owner in self.peers})
         try:
-            for peer in self.peers:
-                self.endpoint.send_tensor(peer, Kind.GRADIENT, step, bucket, shards[peer])
+            self.endpoint.send_tensors(Kind.GRADIENT, step, bucket,
+                                       {peer: shards[peer] for peer in self.peers})
             gather_deadline = self.gather_deadline.seconds
             gather_arrived = self._collect(Kind.GRADIENT, step, bucket, gather_keep, started,
                                            gather_deadline, self.gather_deadline)
@@ -279,9 +279,8 @@ class Lossy:
                 broadcast_arrived = self._broadcast_reliably(
                     result, counts, own_counts, step, bucket, starts, broadcast_numel)
             else:
-                for peer in self.peers:
-                    self.endpoint.send_tensor(peer, Kind.PARAMETER, step, bucket,
-                                              (own, own_counts))
+                self.endpoint.send_tensors(Kind.PARAMETER, step, bucket,
+                                           dict.fromkeys(self.peers, (own, own_counts)))
                 broadcast_arrived = self._collect(
                     Kind.PARAMETER, step, bucket, broadcast_keep, broadcasting,
                     broadcast_deadline, self.broadcast_deadline)

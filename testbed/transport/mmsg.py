@@ -15,6 +15,7 @@ import functools
 import socket
 import struct
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -134,36 +135,62 @@ class ReceiveRing:
         return self._msgs["len"][:count].astype(np.int64)
 
 
-class Outgoing:
-    """The messages of one tensor to one address: message i is `headers[i]` followed by bytes
-    `starts[i]:ends[i]` of the concatenation of `parts` ((address, nbytes) each, kept alive by
-    the caller), in as many iovecs as there are parts (unused ones empty)."""
+@dataclass(frozen=True)
+class Run:
+    """One tensor's messages to one address (`name`, a C sockaddr): message i is `headers[i]`
+    followed by bytes `starts[i]:ends[i]` of the concatenation of `parts` ((address, nbytes)
+    each; the caller keeps that memory alive while the messages are sent)."""
 
-    def __init__(self, name: bytes, headers: np.ndarray, parts: Sequence[tuple[int, int]],
-                 starts: np.ndarray, ends: np.ndarray) -> None:
-        n = len(starts)
-        self._name = ctypes.create_string_buffer(name, len(name))
-        self._headers = headers
-        self._iov = np.zeros((n, 1 + len(parts)), dtype=IOVEC)
-        self._iov["base"][:, 0] = headers.ctypes.data + headers.shape[1] * np.arange(
-            n, dtype=np.uint64)
-        self._iov["len"][:, 0] = headers.shape[1]
-        offset = 0
-        for column, (address, nbytes) in enumerate(parts, start=1):
-            lo = np.clip(starts - offset, 0, nbytes)
-            hi = np.clip(ends - offset, 0, nbytes)
-            self._iov["base"][:, column] = address + lo.astype(np.uint64)
-            self._iov["len"][:, column] = hi - lo
-            offset += nbytes
-        self._msgs = np.zeros(n, dtype=MMSGHDR)
-        header = self._msgs["hdr"]
-        header["name"] = ctypes.addressof(self._name)
-        header["namelen"] = len(name)
-        header["iov"] = self._iov.ctypes.data + self._iov.strides[0] * np.arange(
-            n, dtype=np.uint64)
-        header["iovlen"] = 1 + len(parts)
+    name: bytes
+    headers: np.ndarray  # (n, header bytes) uint8
+    parts: Sequence[tuple[int, int]]
+    starts: np.ndarray
+    ends: np.ndarray
+
+
+class Outgoing:
+    """The messages of one or more runs as one vector, interleaved in proportion to their
+    lengths (run A's first, B's first, A's second...; each run's own in order), so a sender
+    paced at a link's rate and sending to several peers at once gives each of them an even
+    share at any moment; `run[i]` and `size[i]`: message i's run and bytes."""
+
+    def __init__(self, runs: Sequence[Run]) -> None:
+        self._keep: list[object] = []  # what the message vector points into
+        vectors = []
+        for run in runs:
+            n = len(run.starts)
+            name = ctypes.create_string_buffer(run.name, len(run.name))
+            iov = np.zeros((n, 1 + len(run.parts)), dtype=IOVEC)
+            iov["base"][:, 0] = run.headers.ctypes.data + run.headers.shape[1] * np.arange(
+                n, dtype=np.uint64)
+            iov["len"][:, 0] = run.headers.shape[1]
+            offset = 0
+            for column, (address, nbytes) in enumerate(run.parts, start=1):
+                lo = np.clip(run.starts - offset, 0, nbytes)
+                hi = np.clip(run.ends - offset, 0, nbytes)
+                iov["base"][:, column] = address + lo.astype(np.uint64)
+                iov["len"][:, column] = hi - lo
+                offset += nbytes
+            msgs = np.zeros(n, dtype=MMSGHDR)
+            header = msgs["hdr"]
+            header["name"] = ctypes.addressof(name)
+            header["namelen"] = len(run.name)
+            header["iov"] = iov.ctypes.data + iov.strides[0] * np.arange(n, dtype=np.uint64)
+            header["iovlen"] = 1 + len(run.parts)
+            vectors.append(msgs)
+            self._keep += [name, iov, run.headers]
+        counts = [len(run.starts) for run in runs]
+        order = np.argsort(np.concatenate([(np.arange(n) + 0.5) / n for n in counts]),
+                           kind="stable")
+        self._msgs = np.concatenate(vectors)[order]
+        self.run = np.repeat(np.arange(len(runs)), counts)[order]
+        self.size = np.concatenate([run.headers.shape[1] + run.ends - run.starts
+                                    for run in runs])[order]
         self._address = self._msgs.ctypes.data
         self._sendmmsg = mmsg_calls()[1]
+
+    def __len__(self) -> int:
+        return len(self._msgs)
 
     def send(self, fd: int, start: int, count: int) -> tuple[int, int]:
         """Hand messages start..start+count-1 to the kernel: (how many it took, the errno that

@@ -44,7 +44,7 @@ from testbed.transport.counters import (
     socket_drops,
 )
 from testbed.transport.errors import TransportError
-from testbed.transport.mmsg import Outgoing, ReceiveRing, address_of, mmsg_calls, sockaddr
+from testbed.transport.mmsg import Outgoing, ReceiveRing, Run, address_of, mmsg_calls, sockaddr
 from testbed.transport.tensors import as_bytes, bits, bits_dtype, codec_of, dtype_of
 from testbed.transport.wire import (
     ETHERNET_HEADER,
@@ -80,7 +80,12 @@ SEND_BATCH = 256  # datagrams per sendmmsg when unpaced
 # stream arrive in order, so what it still lacks then was lost, not in flight.
 TAIL = 4
 JOINED_LATE = 64  # a stream first seen at this sequence number or beyond was joined late
-BURST_SECONDS = 0.005  # default pacing burst: 5 ms of traffic, handed to the kernel in one call
+# The default pacing burst: how late a wake-up can be and still be caught up (a busy host
+# wakes a sleeper milliseconds late), at most BURST_FRAMES, which a shaper's queue (1000
+# packets in htb's and netem's default) takes whole.
+BURST_SECONDS = 0.02
+BURST_FRAMES = 256
+BATCH_SECONDS = 0.005  # a paced sender hands the kernel this much traffic per call
 # While datagrams keep coming, a collect waits this long before it reads, so one read takes a
 # batch; a wait that found nothing sleeps in poll until something comes.
 NAP_SECONDS = 0.001
@@ -425,11 +430,11 @@ class DatagramEndpoint:
         self._bucket = None
         self._send_batch = SEND_BATCH
         if rate is not None:
-            burst = burst or max(4 * mtu, int(rate / 8 * BURST_SECONDS))
+            frame = HEADER_SIZE + self.capacity + self._frame_overhead
+            burst = burst or max(4 * frame, min(int(rate / 8 * BURST_SECONDS),
+                                                BURST_FRAMES * frame))
             self._bucket = TokenBucket(rate, burst, time.monotonic())
-            # a run of datagrams handed over at once is at most a burst
-            self._send_batch = max(1, burst // (HEADER_SIZE + self.capacity
-                                                + self._frame_overhead))
+            self._send_batch = max(1, min(burst, int(rate / 8 * BATCH_SECONDS)) // frame)
         self._sock = socket.socket(socket.AF_INET6 if ipv6 else socket.AF_INET, socket.SOCK_DGRAM)
         try:
             self.rcvbuf_bytes = _buffer(self._sock, socket.SO_RCVBUF, SO_RCVBUFFORCE, rcvbuf)
@@ -489,38 +494,61 @@ class DatagramEndpoint:
         bucket: int,
         tensor: torch.Tensor | np.ndarray | Sequence[torch.Tensor],
     ) -> int:
-        """Send a tensor to `peer` as chunks (one datagram each), paced; returns the chunk count.
-        A sequence of tensors of one dtype travels as their concatenation, read in place.
+        """Send a tensor to `peer` as chunks (one datagram each), paced; returns the chunk
+        count. `send_tensors` for one peer."""
+        return self.send_tensors(kind, step, bucket, {peer: tensor})[peer]
 
-        Runs of chunks go to the kernel in one call each (a pacing burst's worth). A datagram
-        the kernel refuses (ENOBUFS, EPERM from a firewall, an unreachable network) is counted
-        in `send_errors` and its sequence number stays used, so the receiver counts it lost
-        too: it never reached the wire.
+    def send_tensors(
+        self,
+        kind: Kind,
+        step: int,
+        bucket: int,
+        tensors: Mapping[int, torch.Tensor | np.ndarray | Sequence[torch.Tensor]],
+    ) -> dict[int, int]:
+        """Send each peer its tensor as chunks (one datagram each), paced as one stream: the
+        peers' chunks interleaved, each peer's in order, so at any moment each gets its share
+        of the rate. (One peer after another instead, a sender that fell behind would send to
+        the next peer while another sender still sends to the same one, and together they
+        would overrun that peer's link.) A sequence of tensors of one dtype travels as their
+        concatenation, read in place. Returns each peer's chunk count.
+
+        Runs of chunks go to the kernel in one call each (BATCH_SECONDS of traffic). A
+        datagram the kernel refuses (ENOBUFS, EPERM from a firewall, an unreachable network)
+        is counted in `send_errors` and its sequence number stays used, so the receiver counts
+        it lost too: it never reached the wire.
         """
-        name = self._names.get(peer)
-        if name is None:
-            raise TransportError(f"rank {self.rank}: no address for peer {peer}; known: "
-                                 f"{sorted(self._peers)}")
-        pieces = [as_bytes(part) for part in (
-            [tensor] if isinstance(tensor, torch.Tensor | np.ndarray) else tensor)]
-        codecs = {codec for codec, _ in pieces}
-        if len(codecs) != 1:
-            raise ValueError(f"tensor: parts of one message need one dtype, got {codecs}")
-        codec = codecs.pop()
-        # the iovecs point into these arrays' memory: the locals keep it alive until we return
-        arrays = [np.frombuffer(data, dtype=np.uint8) for _, data in pieces]
-        total = sum(array.size for array in arrays)
-        starts = np.arange(0, max(total, 1), self._full[codec])
-        ends = np.minimum(starts + self._full[codec], total)
-        template = Header(MAGIC, VERSION, kind, codec, self.rank, self.run_id, self.incarnation,
-                          0, step, bucket, 0, 0, 0)
-        headers = encode_headers(template, self._next_seq[peer], ends - starts)
-        n = len(starts)
-        self._next_seq[peer] += n
-        outgoing = Outgoing(name, headers, [(a.ctypes.data, a.size) for a in arrays], starts,
-                            ends)
-        sizes = np.concatenate(([0], np.cumsum(ends - starts + HEADER_SIZE)))
-        counters, fd = self._counters[peer], self._sock.fileno()
+        peers = list(tensors)
+        if not peers:
+            return {}
+        runs, keep = [], []
+        for peer in peers:
+            name = self._names.get(peer)
+            if name is None:
+                raise TransportError(f"rank {self.rank}: no address for peer {peer}; known: "
+                                     f"{sorted(self._peers)}")
+            tensor = tensors[peer]
+            pieces = [as_bytes(part) for part in (
+                [tensor] if isinstance(tensor, torch.Tensor | np.ndarray) else tensor)]
+            codecs = {codec for codec, _ in pieces}
+            if len(codecs) != 1:
+                raise ValueError(f"tensor: parts of one message need one dtype, got {codecs}")
+            codec = codecs.pop()
+            # the datagrams point into these arrays' memory: `keep` holds it until we return
+            arrays = [np.frombuffer(data, dtype=np.uint8) for _, data in pieces]
+            keep.append(arrays)
+            total = sum(array.size for array in arrays)
+            starts = np.arange(0, max(total, 1), self._full[codec])
+            ends = np.minimum(starts + self._full[codec], total)
+            template = Header(MAGIC, VERSION, kind, codec, self.rank, self.run_id,
+                              self.incarnation, 0, step, bucket, 0, 0, 0)
+            headers = encode_headers(template, self._next_seq[peer], ends - starts)
+            runs.append(Run(name, headers, [(a.ctypes.data, a.size) for a in arrays], starts,
+                            ends))
+        for peer, run in zip(peers, runs, strict=True):
+            self._next_seq[peer] += len(run.starts)
+        outgoing = Outgoing(runs)
+        sizes = np.concatenate(([0], np.cumsum(outgoing.size)))
+        fd, n = self._sock.fileno(), len(outgoing)
         done = paid = 0
         while done < n:
             end = min(done + self._send_batch, n)
@@ -529,19 +557,29 @@ class DatagramEndpoint:
                 self._pace(int(sizes[end] - sizes[first]) + (end - first) * self._frame_overhead)
                 paid = end
             sent, code = outgoing.send(fd, done, end - done)
-            counters.datagrams_sent += sent
-            counters.bytes_sent += int(sizes[done + sent] - sizes[done])
+            self._count_sent(peers, outgoing, done, done + sent)
             done += sent
             if code == errno.EMSGSIZE:
-                size = int(sizes[done + 1] - sizes[done])
+                peer = peers[outgoing.run[done]]
                 raise TransportError(
-                    f"rank {self.rank}: a {size}-byte datagram to peer {peer} at "
+                    f"rank {self.rank}: a {outgoing.size[done]}-byte datagram to peer {peer} at "
                     f"{self._peers[peer]} is too large ({os.strerror(code)}); is "
                     f"mtu={self.mtu} right for this path?")
             if code:
-                counters.send_errors += 1
+                self._counters[peers[outgoing.run[done]]].send_errors += 1
                 done += 1
-        return n
+        return {peer: len(run.starts) for peer, run in zip(peers, runs, strict=True)}
+
+    def _count_sent(self, peers: Sequence[int], outgoing: Outgoing, start: int,
+                    end: int) -> None:
+        """Count messages start..end-1 of `outgoing` as sent, per peer."""
+        runs = outgoing.run[start:end]
+        datagrams = np.bincount(runs, minlength=len(peers))
+        nbytes = np.bincount(runs, weights=outgoing.size[start:end], minlength=len(peers))
+        for peer, count, size in zip(peers, datagrams.tolist(), nbytes.tolist(), strict=True):
+            counters = self._counters[peer]
+            counters.datagrams_sent += count
+            counters.bytes_sent += int(size)
 
     def open(
         self,

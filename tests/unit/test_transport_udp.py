@@ -43,7 +43,7 @@ from testbed.transport import (
     payload_capacity,
     place,
 )
-from testbed.transport.udp import JOINED_LATE, Landing
+from testbed.transport.udp import BURST_FRAMES, BURST_SECONDS, JOINED_LATE, Landing
 
 RUN = 77
 LOOPBACK = ("127.0.0.1", 0)
@@ -162,6 +162,25 @@ def test_chunks_cut_for_another_mtu_are_rejected(mtu, reason, rejected):
         assert receiver.counters()[0].datagrams_malformed == rejected
 
 
+def test_tensors_for_several_peers_go_out_interleaved_in_proportion(raw):
+    """Each peer gets its share of the pacing at any moment: the chunks of a four-chunk and a
+    two-chunk tensor alternate in proportion, each peer's in order, each with its own
+    sequence numbers."""
+    with DatagramEndpoint(0, RUN, LOOPBACK, rate=1e9) as sender:
+        numel = sender.chunk_numel()
+        sender.add_peer(1, raw.getsockname())
+        sender.add_peer(2, raw.getsockname())  # the same socket hears both, in sending order
+        counts = sender.send_tensors(Kind.GRADIENT, 0, 0, {1: torch.zeros(4 * numel),
+                                                           2: torch.zeros(2 * numel)})
+        got = [decode(raw.recv(2048), RUN) for _ in range(6)]
+        sent = sender.counters()
+    assert counts == {1: 4, 2: 2}
+    assert [(h.chunks, h.chunk, h.seq) for h in got] == [
+        (4, 0, 0), (2, 0, 0), (4, 1, 1), (4, 2, 2), (2, 1, 1), (4, 3, 3)]
+    assert sent[1].datagrams_sent == 4 and sent[2].datagrams_sent == 2
+    assert sent[1].bytes_sent == 4 * (HEADER_SIZE + 4 * numel)
+
+
 def test_token_bucket_pays_debt_with_waiting():
     bucket = TokenBucket(rate=8000, burst=100, now=0.0)  # 1000 bytes/s
     assert bucket.take(100, now=0.0) == 0.0  # the burst goes at once
@@ -171,17 +190,21 @@ def test_token_bucket_pays_debt_with_waiting():
     assert bucket.tokens == pytest.approx(90)
 
 
-def test_pacing_limits_the_rate(pair):
-    """A lower bound only: the send cannot be faster than the rate allows (minus the burst)."""
+@pytest.mark.parametrize(("rate", "burst"), [(20e6, 3000), (100e6, None)])
+def test_pacing_limits_the_rate(pair, raw, rate, burst):
+    """A lower bound only: the send cannot be faster than the rate allows (minus the burst),
+    to one peer or, interleaved, to two."""
     _, receiver = pair
-    rate, burst = 20e6, 3000
     with DatagramEndpoint(0, RUN, LOOPBACK, rate=rate, burst=burst,
-                          peers={1: receiver.address}) as sender:
+                          peers={1: receiver.address, 2: raw.getsockname()}) as sender:
         start = time.monotonic()
-        count = sender.send_tensor(1, Kind.GRADIENT, 0, 0, torch.zeros(60_000))
+        counts = sender.send_tensors(Kind.GRADIENT, 0, 0, {1: torch.zeros(300_000),
+                                                           2: torch.zeros(300_000)})
         elapsed = time.monotonic() - start
-        frames = sender.counters()[1].bytes_sent + count * (14 + 20 + 8)
-    assert elapsed >= 0.8 * (frames - burst) * 8 / rate
+        counters = sender.counters()
+    frames = sum(counters[peer].bytes_sent + counts[peer] * (14 + 20 + 8) for peer in counts)
+    allowed = burst or min(rate / 8 * BURST_SECONDS, BURST_FRAMES * (1500 + 14))  # default
+    assert elapsed >= (frames - allowed) * 8 / rate
 
 
 def test_missing_chunks_are_reported_at_the_deadline(pair):
