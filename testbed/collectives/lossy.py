@@ -13,6 +13,11 @@ shard k. One call has two phases:
    a chunk keeps its own value there (its gradient, or its stale parameters) until a later
    broadcast overwrites it: copies lag where broadcasts were lost, they never diverge.
 
+Chunks land where they belong as they are read, with no per-peer copies: gradient chunks are
+added into the owner's running sums, broadcast chunks are written into the owner's slice of the
+result and their counts into a small side buffer. Each phase sends to all peers at once, their
+chunks interleaved, so no link gets more than its rate from the others together.
+
 Every `resync_every`-th step the broadcast goes over TCP instead, so all copies equal the
 owners' again.
 

@@ -21,7 +21,8 @@ _EXPORTS = {
     ),
     "errors": ("PeerClosed", "ProtocolError", "TransportError", "TransportTimeout"),
     "tensors": ("as_bytes", "codec_of", "dtype_of"),
-    "udp": ("Chunk", "Collected", "DatagramEndpoint", "TokenBucket", "expected_chunks", "place"),
+    "udp": ("Chunk", "Collected", "DatagramEndpoint", "Landing", "Sink", "TokenBucket",
+            "chunk_count", "expected_chunks", "place"),
     "tcp": ("Listener", "Message", "Stream", "StreamMesh"),
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}

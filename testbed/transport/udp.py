@@ -748,10 +748,11 @@ class DatagramEndpoint:
     def _wait(self, timeout: float) -> None:
         """Read what comes within `timeout` seconds: while datagrams flow, after a nap (one
         read then takes a batch); otherwise as soon as one is there."""
-        if self._flowing:
-            time.sleep(min(max(timeout, 0.0), NAP_SECONDS))
+        if timeout <= 0 or self._flowing:
+            if timeout > 0:
+                time.sleep(min(timeout, NAP_SECONDS))
             self._drain()
-        elif self._poll.poll(max(timeout, 0.0) * 1000):
+        elif self._poll.poll(timeout * 1000):
             self._drain()
 
     def _drain(self) -> None:
