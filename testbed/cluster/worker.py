@@ -120,7 +120,8 @@ def placement(kind: str, spec: WorkerSpec, scenario: Any) -> dict[str, Any]:
     if kind == "lossy":
         streams = [(hosts[r], spec.port("stream", r)) for r in range(spec.world)]
         return {"addresses": at, "stream_addresses": streams, "run_id": spec.run_id,
-                "mtu": scenario.topology.mtu, "congestion": congestion}
+                "mtu": scenario.topology.mtu, "congestion": congestion,
+                "rejoining": spec.rejoin}
     if kind == "gloo":
         return {"master": (hosts[0], spec.port("store", 0))}
     if kind == "moshpit":

@@ -26,7 +26,7 @@ KINDS = {
 # the congestion control, test hooks); a scenario sets only the others.
 PLACEMENT_OPTIONS = frozenset({
     "addresses", "stream_addresses", "master", "store", "listen", "serve_store", "run_id",
-    "congestion", "mtu", "listener", "endpoint", "test_loss",
+    "congestion", "mtu", "listener", "endpoint", "test_loss", "rejoining",
 })
 
 

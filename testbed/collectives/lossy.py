@@ -121,6 +121,7 @@ class Lossy:
         endpoint: DatagramEndpoint | None = None,
         listener: Listener | None = None,
         test_loss: SeededLoss | None = None,
+        rejoining: bool = False,
     ) -> None:
         """`mtu` sizes the datagrams and `rate` (bits/s) paces them (None: unpaced). The
         `deadline_*` bound and seed the transfer deadline (seconds from a peer's first chunk of
@@ -132,7 +133,9 @@ class Lossy:
         `resync_every` N > 0, every step whose number + 1 is a multiple of N broadcasts there.
         `endpoint` and `listener`, if given, are this rank's already bound sockets (then they
         are at `addresses[rank]` and `stream_addresses[rank]`) and are closed with this object.
-        `test_loss` is for tests."""
+        `test_loss` is for tests. A worker `rejoining` a running group (restarted after a
+        preemption) skips the TCP meeting, which the others held at their start: its peers'
+        sockets are bound already, and it has no TCP streams (so no resync)."""
         if not 0 <= rank < world:
             raise ValueError(f"rank: expected 0..{world - 1}, got {rank}")
         stream_addresses = addresses if stream_addresses is None else stream_addresses
@@ -151,6 +154,9 @@ class Lossy:
                              f"got {settle}")
         if resync_every < 0:
             raise ValueError(f"resync_every: expected 0 (never) or more, got {resync_every}")
+        if rejoining and resync_every:
+            raise ValueError("resync_every: a rejoining worker has no TCP streams to resync "
+                             "over; use 0")
         self.rank, self.world, self.timeout = rank, world, timeout
         self.resync_every, self.test_loss, self.settle = resync_every, test_loss, settle
         self.straggler_timeout = straggler_timeout
@@ -177,10 +183,11 @@ class Lossy:
             # The TCP mesh (which the resync uses) is also the rendezvous: once it is up, every
             # peer's datagram socket is bound, so no first datagram goes to a port nobody holds
             # yet (the kernel would drop it, and it would count as loss on the link).
-            self._listener = listener or Listener(tuple(stream_addresses[rank]),
-                                                  congestion=congestion)
-            self._mesh = StreamMesh.open(rank, self._listener, dict(enumerate(
-                stream_addresses)), run_id=run_id, timeout=timeout)
+            if not rejoining:
+                self._listener = listener or Listener(tuple(stream_addresses[rank]),
+                                                      congestion=congestion)
+                self._mesh = StreamMesh.open(rank, self._listener, dict(enumerate(
+                    stream_addresses)), run_id=run_id, timeout=timeout)
             if resync_every:
                 self._sender = ThreadPoolExecutor(1, thread_name_prefix=f"lossy-{rank}-send")
         except BaseException:

@@ -180,46 +180,58 @@ PREEMPTION = """
 name: preempt-rejoin
 seed: 5
 workers: 4
-topology: {default: {loss: 1%}}
-job: {model: mlp, steps: 80, batch: 32, strategy: average, average_every: 2,
-      straggler: {fixed: 200ms}, optimizer: {sgd: {lr: 0.5}}}
-collective: {kind: moshpit, group_size: 2, timeout: 1.0, heartbeat: 0.2}
-metrics: {drift_every: 0}
+topology: {{default: {{loss: 1%}}}}
+job: {{model: mlp, steps: 80, batch: 32, {job}
+      straggler: {{fixed: 200ms}}, optimizer: {{sgd: {{lr: 0.5}}}}}}
+collective: {collective}
+metrics: {{drift_every: 0}}
 timeline:
-  - {step: 10, kill: 3}
-  - {step: 20, restart: 3}
+  - {{step: 10, kill: {worker}}}
+  - {{step: 20, restart: {worker}}}
 """
 PREEMPTION_STEPS = 80  # 200 ms each: the restarted worker is set up well before the end
+REJOINING = {
+    # Moshpit pulls from a live neighbour; the last rank.
+    "moshpit": ("strategy: average, average_every: 2,",
+                "{kind: moshpit, group_size: 2, timeout: 1.0, heartbeat: 0.2}", 3),
+    # Lossy pulls through the run's store; a middle rank, which others met over TCP at the
+    # start (a rejoining worker skips that meeting).
+    "lossy": ("strategy: sharded,", "{kind: lossy, straggler_timeout: 1.0}", 1),
+}
 
 
-def test_a_preempted_worker_rejoins_where_the_others_are_with_their_parameters(tmp_path: Path):
-    """Moshpit with worker 3 killed at step 10 and restarted at step 20: the others never
-    wait for it, and once set up it comes back at the live step with parameters pulled from a
-    neighbour (its first loss is the trained model's, not a fresh one's)."""
+@pytest.mark.parametrize("kind", REJOINING)
+def test_a_preempted_worker_rejoins_where_the_others_are_with_their_parameters(
+        tmp_path: Path, kind: str):
+    """A worker killed at step 10 and restarted at step 20: the others go on without it, and
+    once set up it comes back at the live step with the live parameters (its first loss is
+    the trained model's, not a fresh one's)."""
+    job, collective, gone = REJOINING[kind]
     scenario = tmp_path / "preempt.yaml"
-    scenario.write_text(PREEMPTION)
+    scenario.write_text(PREEMPTION.format(job=job, collective=collective, worker=gone))
     result = ClusterRun(scenario, run_dir=tmp_path / "run").run()
 
     assert result.success, result.error
     assert [w.status for w in result.workers] == ["done"] * 4
-    assert result.workers[3].restarts == 1
+    assert result.workers[gone].restarts == 1
     run = load_run(result.run_dir)
     steps = {rank: sorted(e.step for e in run.steps if e.rank == rank) for rank in range(4)}
     last = PREEMPTION_STEPS - 1
-    for rank in range(3):
+    live = [rank for rank in range(4) if rank != gone]
+    for rank in live:
         assert steps[rank] == list(range(PREEMPTION_STEPS)), f"worker {rank} missed steps"
-    rejoined = min(s for s in steps[3] if s > 12)  # the kill may come during step 10
-    assert steps[3][-1] == last and rejoined >= 20, steps[3]  # not before its restart
-    assert set(range(rejoined, PREEMPTION_STEPS)) <= set(steps[3]), "the rejoiner skipped steps"
-    assert not set(range(13, rejoined)) & set(steps[3]), "worker 3 ran steps while it was killed"
-    # The others averaged without it while it was gone.
-    assert any(3 in e.peers_missing for e in run.steps if e.rank != 3 and 12 <= e.step < 20)
+    rejoined = min(s for s in steps[gone] if s > 12)  # the kill may come during step 10
+    assert steps[gone][-1] == last and rejoined >= 20, steps[gone]  # not before its restart
+    assert set(range(rejoined, PREEMPTION_STEPS)) <= set(steps[gone]), "the rejoiner skipped"
+    assert not set(range(13, rejoined)) & set(steps[gone]), "it ran steps while it was killed"
+    # The others went on without it while it was gone.
+    assert any(gone in e.peers_missing for e in run.steps if e.rank != gone and 12 <= e.step < 20)
     (rejoin,) = [e for e in run.other if e.get("type") == "rejoin"]
-    assert rejoin["rank"] == 3 and rejoin["step"] == rejoined and rejoin["pulled"] is True
+    assert rejoin["rank"] == gone and rejoin["step"] == rejoined and rejoin["pulled"] is True
     losses = {(e.rank, e.step): e.loss for e in run.steps}
-    fresh = losses[(3, 0)]
-    first_back = losses[(3, rejoined)]
-    peers = [losses[(r, rejoined)] for r in range(3)]
+    fresh = losses[(gone, 0)]
+    first_back = losses[(gone, rejoined)]
+    peers = [losses[(r, rejoined)] for r in live]
     assert first_back < 0.8 * fresh, (
         f"the rejoined worker's loss {first_back:.3f} is a fresh model's ({fresh:.3f}): "
         f"no parameters were pulled")
