@@ -1,7 +1,8 @@
 """Compression benchmark: compressed all-reduce in training on bandwidth-limited links.
 
-Part 0: the all-reduce alone among four namespaces on the same links, 1M floats per worker:
-the bandwidth-bound case, each compressor's call time and bytes against fp32.
+Part 0: the all-reduce alone among four namespaces on the same links, 1M floats per worker
+(the bandwidth-bound case) and the CNN's 9,930 (latency-bound): each compressor's call time,
+bytes and inner all-reduces against fp32.
 
 Part 1: four workers, each a process in its own network namespace, every link into a worker
 rate-limited to 100 Mbit/s (the host kernel's fallback shaping: htb), train the CNN on digits
@@ -12,7 +13,11 @@ PowerSGD (ours, over the ring), INT8 and INT4 (group-wise, two-step). Every cell
 bytes each worker sent per step (frame headers included, from the step events), the mean
 all-reduce time and step time, and the run's wall time.
 
-Part 2: PowerSGD against its real peer, torch.distributed.algorithms.ddp_comm_hooks'
+Part 2: what limits ARC-Top-K against Top-K, in one process with
+exact means over several seeds: ARC-Top-K as shipped against variants that each change one
+thing (no shapes, full-resolution scores, the aggregate's own top-k, four times the density).
+
+Part 3: PowerSGD against its real peer, torch.distributed.algorithms.ddp_comm_hooks'
 `powerSGD_hook`, on the same model's real gradients in one process (a one-worker gloo group,
 so the approximation alone is measured): relative error of the gradient each one hands the
 optimizer, and the values each sends, at the same rank.
@@ -20,7 +25,8 @@ optimizer, and the values each sends, at the same rank.
 Writes benchmarks/results/compression.md.
 
     .venv/bin/python benchmarks/compression.py [--quick] [--steps N] [--models cnn,char-lm]
-        [--kinds none,topk,...] [--density D] [--timeout S] [--out PATH]
+        [--kinds none,topk,...] [--density D] [--timeout S] [--sizes N,N] [--seeds N]
+        [--no-allreduce] [--no-limits] [--no-peer] [--out PATH]
 """
 
 from __future__ import annotations
@@ -46,8 +52,9 @@ RESULTS = REPO / "benchmarks" / "results" / "compression.md"
 WORLD = 4
 SEED = 7
 RATE = "100mbit"
-# arc_topk_x4: ARC-Top-K at WORLD times the density, about Top-K's bytes (Top-K's all-gather
-# sends (N - 1) * 8k bytes, ARC-Top-K's all-reduce 2 (N - 1) / N * 4k plus the sketch).
+# arc_topk_x4: ARC-Top-K at WORLD times the density, whose values cost Top-K's bytes (Top-K's
+# all-gather sends (N - 1) * 8k bytes, ARC-Top-K's all-reduce 2 (N - 1) / N * 4k), the sketch
+# on top.
 KINDS = ("none", "topk", "randk", "arc_topk", "arc_topk_x4", "powersgd", "int8", "int4")
 MODELS = ("cnn", "char-lm")
 STEPS = {"cnn": 150, "char-lm": 150}
@@ -62,18 +69,20 @@ JOBS = {
 }
 TIMEOUT = 600.0
 QUICK_TIMEOUT = 240.0
+LIMIT_SEEDS = {"cnn": 5, "char-lm": 3}  # part 2 (char-lm's spread over seeds is the smaller)
 
 
 def arc_block(density: float) -> int:
-    """ARC-Top-K's block: the power of two nearest 1 / density, 8..256 (0.05: 16, 0.01:
-    128), so the sketch (n / block values) costs about what the values do."""
+    """ARC-Top-K's block where it has no shapes (part 0's flat vectors; the cluster worker
+    gives the parameters' shapes): the power of two nearest 1 / density, 8..256 (0.05: 16,
+    0.01: 128), so the sketch (about n / block values) costs about what the values do."""
     return min(256, max(8, 2 ** round(math.log2(1 / density))))
 
 
 def compressor(kind: str, density: float) -> dict[str, Any]:
     if kind in ("topk", "randk"):
         return {"kind": kind, "density": density}
-    if kind == "arc_topk":  # a sketch no larger than the values: block ~ 1 / density
+    if kind == "arc_topk":
         return {"kind": kind, "density": density, "block": arc_block(density)}
     if kind == "arc_topk_x4":
         return {"kind": "arc_topk", "density": min(1.0, WORLD * density),
@@ -113,6 +122,7 @@ class Outcome:
     sent_per_step: float = math.nan  # bytes one worker sent per step, frame headers included
     allreduce_seconds: float = math.nan
     step_seconds: float = math.nan
+    compute_seconds: float = math.nan  # forward and backward of a step: the same work per model
     train_seconds: float = math.nan  # first step start to last step end (no start-up)
     wall: float = math.nan
     ratio: float = math.nan
@@ -152,6 +162,7 @@ def run_cell(cell: Cell, steps: int, density: float, timeout: float, workdir: Pa
         outcome.sent_per_step = float(np.nanmean(run.column("bytes_sent")))
         outcome.allreduce_seconds = float(np.nanmean(run.column("allreduce_seconds")))
         outcome.step_seconds = float(np.nanmean(run.column("step_seconds")))
+        outcome.compute_seconds = float(np.nanmean(run.column("compute_seconds")))
         ts = run.column("t")
         outcome.train_seconds = float(np.nanmax(ts) - np.nanmin(ts))
         if cell.kind != "none":
@@ -169,23 +180,26 @@ def run_cell(cell: Cell, steps: int, density: float, timeout: float, workdir: Pa
 # -- part 0: the all-reduce alone, bandwidth-bound -------------------------------------------
 
 
-ALLREDUCE_NUMEL = 1_000_000
-QUICK_ALLREDUCE_NUMEL = 1_000_000
+# 1M values: bandwidth-bound; the CNN's 9,930: latency-bound (sequential ring hops decide).
+ALLREDUCE_SIZES = (1_000_000, 9_930)
+ALLREDUCE_CALLS = 5
 
 
 @dataclass
 class CallOutcome:
     kind: str
+    numel: int
     seconds: float  # median over the calls of the slowest worker's call time
     sent: float  # bytes rank 0's collective sent in one call
     error: float  # relative error of rank 0's result against the true mean, first call
+    inner_calls: int  # inner all-reduces in one call (neighbour exchanges not counted)
 
 
-def allreduce_part(kinds: list[str], numel: int, calls: int,
+def allreduce_part(kinds: list[str], sizes: list[int], calls: int,
                    density: float) -> list[CallOutcome]:
     """Each compressor over the ring among four namespaces whose links into every host are
-    limited to RATE: `calls` all-reduces of `numel` floats, every worker in a thread inside its
-    namespace (torch's kernels release the GIL)."""
+    limited to RATE: `calls` all-reduces of each of `sizes` floats, every worker in a thread
+    inside its namespace (torch's kernels release the GIL)."""
     import statistics
 
     import torch
@@ -198,9 +212,6 @@ def allreduce_part(kinds: list[str], numel: int, calls: int,
     from testbed.collectives.compression import wrap
 
     generator = torch.Generator().manual_seed(SEED)
-    shared = torch.randn(numel, generator=generator)
-    inputs = [shared + 0.5 * torch.randn(numel, generator=generator) for _ in range(WORLD)]
-    mean = torch.stack(inputs).mean(0)
     outcomes = []
     lab = Lab(WORLD)
     lab.start()
@@ -211,41 +222,226 @@ def allreduce_part(kinds: list[str], numel: int, calls: int,
             spec = compressor(kind, density)
             name = spec.pop("kind")
             group = [wrap(w, name, **spec) for w in workers]
-            times, sent, error = [], 0.0, math.nan
             try:
-                for call in range(calls):
-                    results = on_hosts(lab, [
-                        lambda r=r, c=call, g=group: g[r].allreduce(inputs[r], c)
-                        for r in range(WORLD)], wait=300)
-                    times.append(max(stats.seconds for _, stats in results))
-                    sent = float(results[0][1].bytes_sent)
-                    if call == 0:
-                        error = float(torch.linalg.vector_norm(results[0][0] - mean)
-                                      / torch.linalg.vector_norm(mean))
+                for numel in sizes:
+                    shared = torch.randn(numel, generator=generator)
+                    inputs = [shared + 0.5 * torch.randn(numel, generator=generator)
+                              for _ in range(WORLD)]
+                    mean = torch.stack(inputs).mean(0)
+                    times, error = [], math.nan
+                    for call in range(calls):
+                        results = on_hosts(lab, [
+                            lambda r=r, c=call, g=group, x=inputs: g[r].allreduce(x[r], c)
+                            for r in range(WORLD)], wait=300)
+                        times.append(max(stats.seconds for _, stats in results))
+                        if call == 0:
+                            error = float(torch.linalg.vector_norm(results[0][0] - mean)
+                                          / torch.linalg.vector_norm(mean))
+                    stats = results[0][1]
+                    inner = int(stats.extra.get("inner_calls", 1))
+                    outcomes.append(CallOutcome(kind, numel, statistics.median(times),
+                                                float(stats.bytes_sent), error, inner))
+                    print(f"all-reduce {kind:11} {numel:9,} values {times[-1] * 1000:8.1f} ms  "
+                          f"{stats.bytes_sent / 1024:9.1f} KiB sent  error {error:.3g}",
+                          flush=True)
             finally:
                 close_all(lab, group)
-            outcomes.append(CallOutcome(kind, statistics.median(times), sent, error))
-            print(f"all-reduce {kind:9} {outcomes[-1].seconds * 1000:8.1f} ms  "
-                  f"{sent / 1024:9.1f} KiB sent  error {error:.3g}", flush=True)
     finally:
         lab.close()
     return outcomes
 
 
 def allreduce_table(outcomes: list[CallOutcome]) -> list[str]:
-    base = next((o for o in outcomes if o.kind == "none"), None)
-    lines = ["| compressor | all-reduce ms (median) | x faster than none | KiB sent by a "
-             "worker | x fewer bytes | relative error (first call) |",
-             "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    lines = ["| values | compressor | all-reduce ms (median) | x faster than none | KiB sent by "
+             "a worker | x fewer bytes | inner all-reduces | relative error (first call) |",
+             "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for o in outcomes:
+        base = next((b for b in outcomes if b.kind == "none" and b.numel == o.numel), None)
         faster = base.seconds / o.seconds if base else math.nan
         fewer = base.sent / o.sent if base and o.sent else math.nan
-        lines.append(f"| {o.kind} | {o.seconds * 1000:.1f} | {fmt(faster)} | "
-                     f"{o.sent / 1024:.1f} | {fmt(fewer)} | {fmt(o.error)} |")
+        lines.append(f"| {o.numel:,} | {o.kind} | {o.seconds * 1000:.1f} | {fmt(faster)} | "
+                     f"{o.sent / 1024:.1f} | {fmt(fewer)} | {o.inner_calls} | {fmt(o.error)} |")
     return lines
 
 
-# -- part 2: PowerSGD against torch's hook ---------------------------------------------------
+# -- part 2: what limits ARC-Top-K, in one process -------------------------------------------
+
+
+class Group:
+    """WORLD workers as threads of this process with exact sums: a barrier per exchange."""
+
+    def __init__(self) -> None:
+        import threading
+
+        # A worker that fails breaks the barrier for the others instead of leaving them waiting.
+        self.barrier = threading.Barrier(WORLD, timeout=120)
+        self.slots: list[Any] = [None] * WORLD
+
+    def exchange(self, rank: int, item: Any) -> list[Any]:
+        self.slots[rank] = item
+        self.barrier.wait()
+        items = list(self.slots)
+        self.barrier.wait()  # every worker has read them before the next exchange
+        return items
+
+
+class LocalCall:
+    """What a compressor asks of its inner collective, over a `Group`: exact means."""
+
+    name = "ring"  # exact: agree() sums through allreduce
+
+    def __init__(self, group: Group, rank: int) -> None:
+        self.group, self.rank, self.world = group, rank, WORLD
+        self.inner = self
+
+    def allreduce(self, tensor: Any) -> Any:
+        import torch
+
+        return torch.stack(self.group.exchange(self.rank, tensor.float().reshape(-1))).mean(0)
+
+    def all_gather(self, payload: Any) -> list[Any]:
+        return self.group.exchange(self.rank, payload)
+
+    def agree(self, sketch: Any) -> Any:
+        return self.allreduce(sketch) * WORLD
+
+
+def limits_compressors(density: float) -> dict[str, Any]:
+    """The rows of part 2: Top-K, ARC-Top-K as shipped and variants that change one thing."""
+    from testbed.collectives.compression.sparsify import ARCTopK, TopK
+
+    class EnergySketch(ARCTopK):
+        """Scores every coordinate by its energy summed over the workers (a sketch of n
+        values): the shipped score at full resolution."""
+
+        def scores(self, call, x):
+            return call.agree(x.square()), x.numel()
+
+    class MeanSketch(ARCTopK):
+        """Scores every coordinate by |mean_i x_i| (the mean itself, n values): the top-k of
+        the aggregate that any sketch can only estimate."""
+
+        def scores(self, call, x):
+            return call.allreduce(x).abs(), x.numel()
+
+    return {
+        "topk": lambda: TopK(density=density),
+        "arc_topk": lambda: ARCTopK(density=density),
+        "arc_topk, no shapes (rows of 16)": lambda: ARCTopK(density=density, block=16),
+        "arc_topk, energy per coordinate": lambda: EnergySketch(density=density),
+        "arc_topk, mean per coordinate": lambda: MeanSketch(density=density),
+        f"arc_topk_x{WORLD}": lambda: ARCTopK(density=min(1.0, WORLD * density)),
+    }
+
+
+@dataclass
+class LimitOutcome:
+    name: str
+    model: str
+    metrics: list[float]  # held-out accuracy or perplexity, one per seed
+    values: float  # per call and worker: values sent (sketch and pattern's values; indices)
+    numel: int  # the model's parameters
+
+
+def train_in_process(model_name: str, make: Any, steps: int, seed: int,
+                     shaped: bool) -> tuple[float, float, int]:
+    """`steps` steps of the benchmark's job with WORLD workers in threads, exact means,
+    every worker's compressor from `make`; the held-out metric, the payload values per call
+    of rank 0 and the model's parameters."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+    from torch.nn.utils import parameters_to_vector
+
+    from testbed.train.config import TrainConfig
+    from testbed.train.data import Shard
+    from testbed.train.job import load_dataset
+    from testbed.train.models import build_model, evaluate, loss_fn
+    from testbed.train.strategies import write_flat
+
+    torch.set_num_threads(1)
+    spec = JOBS[model_name]
+    config = TrainConfig.parse({k: v for k, v in spec.items() if k != "optimizer"}, seed=seed)
+    data = load_dataset(config)
+    model = build_model(model_name, data, config.context, seed)
+    parameters = list(model.parameters())
+    optimizer = torch.optim.Adam(parameters, lr=spec["optimizer"]["adam"]["lr"])
+    shards = [Shard(len(data.train_y), rank, WORLD, seed) for rank in range(WORLD)]
+    compressors = [make() for _ in range(WORLD)]
+    for c in compressors:
+        if shaped and hasattr(c, "set_shapes"):  # as the cluster worker does
+            c.set_shapes([tuple(p.shape) for p in parameters])
+    group = Group()
+    payload = 0.0
+    pool = ThreadPoolExecutor(WORLD)  # one thread per worker: their exchanges meet
+    for step in range(steps):
+        gradients = []
+        for shard in shards:  # the workers hold the same parameters: one model serves all
+            for parameter in parameters:
+                parameter.grad = None
+            batch = shard.batch(step, config.batch)
+            loss_fn(model(data.train_x[batch]), data.train_y[batch]).backward()
+            gradients.append(parameters_to_vector([p.grad for p in parameters]).detach())
+        results = list(pool.map(
+            lambda rank, x=gradients, s=step: compressors[rank].reduce(
+                LocalCall(group, rank), x[rank], torch.zeros(0), s), range(WORLD)))
+        if not all(torch.equal(r[0], results[0][0]) for r in results):
+            raise RuntimeError("the workers' estimates differ")
+        payload += results[0][2]["payload_bytes"] / 4
+        for parameter in parameters:  # every worker steps on the same estimate
+            parameter.grad = torch.empty_like(parameter)
+        write_flat(results[0][0], [p.grad for p in parameters])
+        optimizer.step()
+    pool.shutdown()
+    figures = evaluate(model, data, spec["eval_samples"])
+    metric = figures["accuracy"] if model_name == "cnn" else figures.get(
+        "perplexity", math.exp(figures["loss"]))
+    return metric, payload / steps, sum(p.numel() for p in parameters)
+
+
+def limits_part(models: list[str], steps: dict[str, int], density: float,
+                seeds: dict[str, int]) -> list[LimitOutcome]:
+    outcomes = []
+    for model in models:
+        for name, make in limits_compressors(density).items():
+            runs = [train_in_process(model, make, steps[model], SEED + i, "no shapes" not in name)
+                    for i in range(seeds[model])]
+            outcomes.append(LimitOutcome(name, model, [r[0] for r in runs], runs[0][1],
+                                         runs[0][2]))
+            print(f"limits {model:8} {name:34} "
+                  f"{' '.join(f'{r[0]:.4g}' for r in runs)}  values/call {runs[0][1]:.0f}",
+                  flush=True)
+    return outcomes
+
+
+def spread(values: list[float]) -> tuple[float, float]:
+    """Mean and standard error of the mean (0 for one value)."""
+    mean = sum(values) / len(values)
+    if len(values) < 2:
+        return mean, 0.0
+    variance = sum((v - mean) ** 2 for v in values) / (len(values) - 1)
+    return mean, math.sqrt(variance / len(values))
+
+
+def limits_table(outcomes: list[LimitOutcome], model: str) -> list[str]:
+    metric = "accuracy" if model == "cnn" else "perplexity"
+    top = next((o for o in outcomes if o.model == model and o.name == "topk"), None)
+    numel = next(o.numel for o in outcomes if o.model == model)
+    lines = [f"| sparsifier | values sent per call (fraction of {numel:,}) | held-out {metric}: "
+             "mean ± standard error | vs Top-K | per seed |", "| --- | ---: | ---: | ---: | --- |"]
+    for o in outcomes:
+        if o.model != model:
+            continue
+        mean, error = spread(o.metrics)
+        against = "-"
+        if top is not None and o is not top:
+            against = said(model, mean, spread(top.metrics)[0])
+        lines.append(f"| {o.name} | {o.values:,.0f} ({o.values / numel:.3f}) | {mean:.4g} ± "
+                     f"{error:.2g} | {against} | {' '.join(f'{m:.4g}' for m in o.metrics)} |")
+    return lines
+
+
+# -- part 3: PowerSGD against torch's hook ---------------------------------------------------
 
 
 def powersgd_peer(model_name: str, rank: int, steps: int) -> dict[str, float]:
@@ -352,14 +548,15 @@ def table(outcomes: list[Outcome], model: str) -> list[str]:
     base = find(outcomes, model, "none")
     lines = [f"| compressor | status | steps | held-out {metric} | vs none | payload ratio | "
              "compression error | KiB sent per step | all-reduce ms | x faster all-reduce | "
-             "step ms | training s | wall s |",
+             "compute ms | step ms | training s | wall s |",
              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
-             " ---: |"]
+             " ---: | ---: |"]
     for o in outcomes:
         if o.cell.model != model:
             continue
         value = o.accuracy if model == "cnn" else o.perplexity
-        against = base.accuracy if model == "cnn" else base.perplexity if base else math.nan
+        against = (math.nan if base is None
+                   else base.accuracy if model == "cnn" else base.perplexity)
         change = "-"
         if base is not None and not math.isnan(value) and not math.isnan(against):
             change = (f"{(value - against) * 100:+.1f} pt" if model == "cnn"
@@ -370,86 +567,133 @@ def table(outcomes: list[Outcome], model: str) -> list[str]:
             f"| {o.cell.kind} | {o.status} | {o.steps} | "
             f"{fmt(value, 4)} | {change} | {fmt(o.ratio)} | {fmt(o.error)} | "
             f"{kib(o.sent_per_step)} | {fmt(o.allreduce_seconds * 1000)} | {fmt(speed)} | "
-            f"{fmt(o.step_seconds * 1000)} | {fmt(o.train_seconds)} | {fmt(o.wall)} |")
+            f"{fmt(o.compute_seconds * 1000)} | {fmt(o.step_seconds * 1000)} | "
+            f"{fmt(o.train_seconds)} | {fmt(o.wall)} |")
     return lines
 
 
-def targets(outcomes: list[Outcome], calls: list[CallOutcome]) -> list[str]:
+def limit_mean(limits: list[LimitOutcome], model: str, name: str) -> float:
+    found = next((o for o in limits if o.model == model and o.name == name), None)
+    return sum(found.metrics) / len(found.metrics) if found else math.nan
+
+
+def gap(model: str, value: float, against: float) -> float:
+    """How much worse `value` is than `against`: accuracy points lost (CNN), percent of
+    perplexity gained (char-LM); within 1 is the targets' tolerance."""
+    return (against - value) * 100 if model == "cnn" else (value / against - 1) * 100
+
+
+def said(model: str, value: float, against: float) -> str:
+    worse = gap(model, value, against)
+    return f"{-worse:+.1f} pt" if model == "cnn" else f"{worse:+.1f}%"
+
+
+def unit(model: str, error: float, against: float) -> str:
+    """A standard error in the unit `said` gives a difference in."""
+    return f"{error * 100:.1f} pt" if model == "cnn" else f"{error / against * 100:.1f}%"
+
+
+def targets(outcomes: list[Outcome], calls: list[CallOutcome],
+            limits: list[LimitOutcome]) -> list[str]:
     lines = []
-    base = next((o for o in calls if o.kind == "none"), None)
-    int4 = next((o for o in calls if o.kind == "int4"), None)
+    largest = max((o.numel for o in calls), default=0)
+    base = next((o for o in calls if o.kind == "none" and o.numel == largest), None)
+    int4 = next((o for o in calls if o.kind == "int4" and o.numel == largest), None)
     if base and int4:
         speed = base.seconds / int4.seconds
         lines.append(
-            f"- INT4 >= 3x faster than fp32 on the bandwidth-bound link (part 0, the all-reduce "
-            f"alone): {'met' if speed >= 3 else 'not met'}: {speed:.2f}x "
+            f"- INT4 >= 3x faster than fp32 on the bandwidth-bound link (part 0, {largest:,} "
+            f"values): {'met' if speed >= 3 else 'not met'}: {speed:.2f}x "
             f"({int4.seconds * 1000:.0f} ms against {base.seconds * 1000:.0f} ms, "
             f"{base.sent / int4.sent:.2f}x fewer bytes). The final metric in training: below.")
     for model in MODELS:
         top = find(outcomes, model, "topk")
         base, int4 = find(outcomes, model, "none"), find(outcomes, model, "int4")
-        for arc_kind, label in (("arc_topk", "ARC-Top-K (same density)"),
-                                ("arc_topk_x4", f"ARC-Top-K at {WORLD}x density (~ Top-K's "
-                                 "bytes)")):
+        metric = "accuracy" if model == "cnn" else "perplexity"
+        for arc_kind, label, limit in (
+                ("arc_topk", "ARC-Top-K (same density)", "arc_topk"),
+                (f"arc_topk_x{WORLD}", f"ARC-Top-K at {WORLD}x density (Top-K's bytes of values)",
+                 f"arc_topk_x{WORLD}")):
             arc = find(outcomes, model, arc_kind)
             if not (top and arc and top.status == arc.status == "ok"):
                 continue
-            if model == "cnn":
-                gap = (arc.accuracy - top.accuracy) * 100
-                within = gap >= -1.0
-                quality = f"accuracy {arc.accuracy:.4f} against Top-K's {top.accuracy:.4f} " \
-                          f"({gap:+.1f} pt)"
-            else:
-                gap = (arc.perplexity / top.perplexity - 1) * 100
-                within = gap <= 1.0
-                quality = f"perplexity {arc.perplexity:.3f} against Top-K's " \
-                          f"{top.perplexity:.3f} ({gap:+.1f}%)"
+            mine = arc.accuracy if model == "cnn" else arc.perplexity
+            theirs = top.accuracy if model == "cnn" else top.perplexity
+            within = gap(model, mine, theirs) <= 1.0
             faster = arc.train_seconds < top.train_seconds
+            seeds = limit_mean(limits, model, limit), limit_mean(limits, model, "topk")
+            several = (f"; in part 2 (several seeds, exact means) {said(model, *seeds)}"
+                       if not any(math.isnan(v) for v in seeds) else "")
             lines.append(
                 f"- {model}, {label} within 1% of Top-K with lower wall time: "
-                f"{'met' if within and faster else 'not met'}: {quality}; training "
+                f"{'met' if within and faster else 'not met'}: {metric} {mine:.4g} against "
+                f"Top-K's {theirs:.4g} ({said(model, mine, theirs)}){several}; training "
                 f"{arc.train_seconds:.1f} s against {top.train_seconds:.1f} s, all-reduce "
                 f"{arc.allreduce_seconds * 1000:.1f} ms against "
-                f"{top.allreduce_seconds * 1000:.1f} ms, "
+                f"{top.allreduce_seconds * 1000:.1f} ms (compute {arc.compute_seconds * 1000:.0f} "
+                f"against {top.compute_seconds * 1000:.0f} ms a step), "
                 f"{arc.sent_per_step / top.sent_per_step:.2f}x Top-K's bytes per step.")
         if base and int4 and base.status == int4.status == "ok":
             speed = base.allreduce_seconds / int4.allreduce_seconds
-            if model == "cnn":
-                gap = (int4.accuracy - base.accuracy) * 100
-                within, quality = gap >= -1.0, f"accuracy {gap:+.1f} pt"
-            else:
-                gap = (int4.perplexity / base.perplexity - 1) * 100
-                within, quality = gap <= 1.0, f"perplexity {gap:+.1f}%"
+            mine = int4.accuracy if model == "cnn" else int4.perplexity
+            theirs = base.accuracy if model == "cnn" else base.perplexity
+            within = gap(model, mine, theirs) <= 1.0
             lines.append(
                 f"- {model} training, INT4 >= 3x faster than fp32 with the final metric within "
                 "1%: "
                 f"{'met' if speed >= 3 and within else 'not met'}: all-reduce {speed:.2f}x "
                 f"faster ({int4.allreduce_seconds * 1000:.1f} ms against "
                 f"{base.allreduce_seconds * 1000:.1f} ms), bytes sent per step "
-                f"{int4.sent_per_step / base.sent_per_step:.3f}x, {quality}.")
+                f"{int4.sent_per_step / base.sent_per_step:.3f}x, {metric} "
+                f"{said(model, mine, theirs)}.")
     return lines
 
 
-READING = [
-    "Reading the gaps (what the tables above measure, not a claim beyond them):",
-    "",
-    "- In training, `all-reduce ms` is not the transfer alone: the four workers share two "
-    "cores, so a call also waits for the slowest worker's backward pass, and these models are "
-    "small (CNN 9,930 values: 58 KiB a step is under 5 ms at 100 Mbit/s). The bytes shrink by "
-    "the payload ratio (`KiB sent per step`), the time much less. Part 0 is the "
-    "bandwidth-bound case (1M values, the all-reduce alone): there the speed follows the bytes.",
-    "- At one density Top-K and ARC-Top-K are not the same budget: Top-K sums the N workers' "
-    "different patterns, so its estimate moves up to N k coordinates a step, ARC-Top-K's k. "
-    "`arc_topk_x4` (N times the density, about Top-K's bytes) is the like-for-like row.",
-    "- ARC-Top-K makes two inner all-reduces (sketch, then values), 4 (N - 1) sequential ring "
-    "hops, where Top-K's all-gather makes N - 1 neighbour exchanges: on a latency-bound "
-    "tensor (the CNN) ARC-Top-K's call is the slower one whatever its bytes.",
-]
+def reading(outcomes: list[Outcome], calls: list[CallOutcome],
+            limits: list[LimitOutcome]) -> list[str]:
+    """The gaps, each with the figures of this run that show its cause."""
+    lines = ["Reading the gaps (what the tables measure, not a claim beyond them):", "",
+             "- In training, `all-reduce ms` is not the transfer alone: the four workers share "
+             "two cores, so a call also waits for the slowest worker's backward pass. Part 0's "
+             "largest size is the bandwidth-bound case: there the speed follows the bytes."]
+    smallest = min((o.numel for o in calls), default=0)
+    small = {o.kind: o for o in calls if o.numel == smallest}
+    if {"none", "topk", "arc_topk"} <= set(small):
+        lines.append(
+            f"- Rounds, not bytes, decide a small tensor's call: at {smallest:,} values (the "
+            f"CNN's size) the dense all-reduce took {small['none'].seconds * 1000:.1f} ms "
+            f"({small['none'].sent / 1024:.0f} KiB, one ring all-reduce: 2 (N - 1) "
+            f"sequential hops), Top-K {small['topk'].seconds * 1000:.1f} ms "
+            f"({small['topk'].sent / 1024:.0f} KiB, one all-gather: N - 1 hops), ARC-Top-K "
+            f"{small['arc_topk'].seconds * 1000:.1f} ms ({small['arc_topk'].sent / 1024:.0f} "
+            f"KiB, {small['arc_topk'].inner_calls} ring all-reduces: the sketch, then the "
+            "values). At this size a call costs its sequential rounds, whatever it sends: "
+            "ARC-Top-K's second round is what it pays for agreeing on a pattern without "
+            "indices.")
+    for model in sorted({o.model for o in limits}, key=MODELS.index):
+        rows = {o.name: spread(o.metrics) for o in limits if o.model == model}
+        if "topk" not in rows:
+            continue
+        top, top_error = rows.pop("topk")
+        lines.append(
+            f"- {model}, part 2, against Top-K's {top:.4g} (± {unit(model, top_error, top)}): "
+            + "; ".join(f"{name} {said(model, mean, top)} (± {unit(model, error, top)})"
+                        for name, (mean, error) in rows.items()) + ".")
+    if limits:
+        lines.append(
+            "- Part 2's rows change one thing each. `mean per coordinate` picks the top-k of "
+            "the aggregate itself: what is left of the gap there is what one shared pattern "
+            "of k coordinates costs against Top-K's N patterns. `energy per coordinate` keeps "
+            "the shipped score (energies summed over the workers, which also count what the "
+            "workers' disagreement cancels in the mean) at full resolution; between it and "
+            "`arc_topk` is the cost of estimating it from rows and columns. A difference "
+            "smaller than about twice the standard errors is within the seeds' spread.")
+    return lines
 
 
-def report(outcomes: list[Outcome], calls: list[CallOutcome],
+def report(outcomes: list[Outcome], calls: list[CallOutcome], limits: list[LimitOutcome],
            peer: dict[str, dict[str, float]], command: str, started: datetime.datetime,
-           elapsed: float, steps: dict[str, int], density: float, numel: int,
+           elapsed: float, steps: dict[str, int], density: float, seeds: dict[str, int],
            note: str) -> str:
     cpu = next((line.split(":", 1)[1].strip()
                 for line in Path("/proc/cpuinfo").read_text().splitlines()
@@ -465,6 +709,8 @@ def report(outcomes: list[Outcome], calls: list[CallOutcome],
             f"{int(figures['torch_values'])} | {int(figures['ours_values'])} | "
             f"{int(figures['flat_values'])} |")
     models = sorted({o.cell.model for o in outcomes}, key=MODELS.index)
+    limit_models = sorted({o.model for o in limits}, key=MODELS.index)
+    sizes = sorted({o.numel for o in calls}, reverse=True)
     return "\n".join([
         "# Compressed collectives: ARC-Top-K, Top-K, Rand-K, PowerSGD, INT8, INT4",
         "",
@@ -477,9 +723,11 @@ def report(outcomes: list[Outcome], calls: list[CallOutcome],
         "",
         f"{WORLD} namespaces on a software bridge, every link into a host limited to {RATE} "
         "(host fallback shaping, htb), the ring with each compressor, one worker per "
-        f"namespace (threads of one process), {numel:,} fp32 values per worker (structured: a "
-        "shared vector plus per-worker noise), 3 calls; the slowest worker's call time, "
-        "median over the calls. Same compressor settings as part 1.",
+        f"namespace (threads of one process), {' and '.join(f'{n:,}' for n in sizes)} fp32 "
+        "values per worker (structured: a shared vector plus per-worker noise; no shapes, so "
+        f"ARC-Top-K's sketch is rows of {arc_block(density)} values), {ALLREDUCE_CALLS} calls "
+        "each; the slowest worker's call time, median over the calls. Same densities as part "
+        "1.",
         "",
         *(allreduce_table(calls) if calls else ["(not run)"]),
         "",
@@ -492,10 +740,12 @@ def report(outcomes: list[Outcome], calls: list[CallOutcome],
         "`collective.compressor`. Jobs: " + "; ".join(
             f"`{m}` {JOBS[m]['batch']} samples per worker and step, Adam lr "
             f"{JOBS[m]['optimizer']['adam']['lr']:g}, {steps[m]} steps" for m in models) +
-        f", seed {SEED}. Sparsifiers at density {density:g} (ARC-Top-K: the same fraction "
-        f"of blocks of {arc_block(density)}; `arc_topk_x4`: {WORLD}x that density, about "
-        "Top-K's bytes, since Top-K gathers N patterns), EF21M eta 1 (EF21: Adam keeps the "
-        "momentum); PowerSGD rank 4 (per weight "
+        f", seed {SEED}. Sparsifiers at density {density:g} (ARC-Top-K: that fraction of the "
+        "coordinates, picked from its sketch of every weight matrix's row and column "
+        f"energies, the worker giving the parameters' shapes; `arc_topk_x{WORLD}`: {WORLD}x "
+        "that density, whose values cost what Top-K's indices and values do, since Top-K "
+        "gathers N patterns; the sketch comes on top), EF21M eta 1 "
+        "(EF21: Adam keeps the momentum); PowerSGD rank 4 (per weight "
         "matrix: the worker gives the parameters' shapes); INT8 and INT4 symmetric, nearest "
         "rounding, 128 values per scale.",
         "",
@@ -503,19 +753,42 @@ def report(outcomes: list[Outcome], calls: list[CallOutcome],
         "ratio` the compressor's payload over fp32 (values, indices, scales, sketch; step "
         "mean); `compression error` ||C(x) - x|| / ||x|| of what a worker compressed (step "
         "mean); `KiB sent per step` what one worker's collective sent on the wire, frame "
-        "headers included; `all-reduce ms` the mean time of one compressed all-reduce; "
+        "headers included; `all-reduce ms` the mean time of one compressed all-reduce; `compute "
+        "ms` a step's forward and backward pass (the same work in every cell of a model: "
+        "where it differs, the shared machine's load did, and every time in that cell with "
+        "it); "
         "`training s` first to last step event (start-up excluded); `wall s` the whole run, "
         "start-up (namespaces, four torch imports, data) included.",
         "",
         *[line for model in models for line in (f"### {model}", "", *table(outcomes, model),
                                                 "")],
+        "## Part 2: what limits ARC-Top-K against Top-K",
+        "",
+        f"One cell of part 1 is one seed; the sparsifiers' held-out figures move by several "
+        "points from seed to seed. Here the same jobs, steps and density run with "
+        f"{WORLD} workers as threads of one process with exact means (no network: only the "
+        "compressors differ), over several seeds (" + ", ".join(
+            f"{m}: {seeds[m]}, from {SEED}" for m in limit_models) +
+        "), with ARC-Top-K as shipped and variants that each change one thing: without the "
+        "parameters' shapes (rows of 16 consecutive values, as for a DDP bucket); every "
+        "coordinate scored by its energy summed over the workers (the shipped score at full "
+        "resolution: a sketch of n values); every coordinate scored by |mean_i x_i| (the "
+        f"aggregate's top-k: a dense all-reduce, what a sketch can only estimate); {WORLD}x "
+        "the density. `values sent` counts, per call and worker, what the sparsifier puts on "
+        "the wire as 4-byte words: sketch and values (Top-K: indices and values, sent to "
+        f"N - 1 = {WORLD - 1} workers by its all-gather where an all-reduce sends about "
+        "2 (N - 1) / N of its payload).",
+        "",
+        *[line for model in limit_models for line in (
+            f"### {model}", "", *limits_table(limits, model), "")],
+        *([] if limits else ["(not run)", ""]),
         "## Targets",
         "",
-        *(targets(outcomes, calls) or ["- (not enough cells ran to judge)"]),
+        *(targets(outcomes, calls, limits) or ["- (not enough cells ran to judge)"]),
         "",
-        *READING,
+        *reading(outcomes, calls, limits),
         "",
-        "## PowerSGD against torch's powerSGD_hook",
+        "## Part 3: PowerSGD against torch's powerSGD_hook",
         "",
         "Same model, one worker, the true gradient of each step of plain Adam training fed to "
         "both (torch's through a one-worker DDP with `powerSGD_hook`, rank 4, error "
@@ -541,9 +814,13 @@ def main() -> None:
     parser.add_argument("--kinds", default=",".join(KINDS))
     parser.add_argument("--density", type=float)
     parser.add_argument("--timeout", type=float)
-    parser.add_argument("--no-peer", action="store_true", help="skip part 2")
+    parser.add_argument("--no-peer", action="store_true", help="skip part 3")
     parser.add_argument("--no-allreduce", action="store_true", help="skip part 0")
-    parser.add_argument("--numel", type=int, help="part 0's values per worker")
+    parser.add_argument("--no-limits", action="store_true", help="skip part 2")
+    parser.add_argument("--sizes", help="part 0's values per worker, comma-separated "
+                        f"(default {','.join(map(str, ALLREDUCE_SIZES))})")
+    parser.add_argument("--seeds", type=int, help="part 2's seeds per model (default: "
+                        f"{LIMIT_SEEDS['cnn']} for cnn, {LIMIT_SEEDS['char-lm']} for char-lm)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     models = [m for m in args.models.split(",") if m]
@@ -557,19 +834,21 @@ def main() -> None:
         steps = dict.fromkeys(steps, args.steps)
     density = args.density or (QUICK_DENSITY if args.quick else DENSITY)
     timeout = args.timeout or (QUICK_TIMEOUT if args.quick else TIMEOUT)
+    sizes = [int(n) for n in args.sizes.split(",")] if args.sizes else list(ALLREDUCE_SIZES)
+    seeds = dict.fromkeys(MODELS, args.seeds) if args.seeds else dict(LIMIT_SEEDS)
     command = "python benchmarks/compression.py " + " ".join(sys.argv[1:])
-    note = ("Reduced run (--quick or a subset): fewer steps and a higher density than the "
-            "full benchmark; read the figures as such." if args.quick or args.steps
+    note = ("Reduced run (--quick or a subset): fewer steps, a higher density or fewer cells "
+            "than the full benchmark; read the figures as such." if args.quick or args.steps
             or args.models != ",".join(MODELS) or args.kinds != ",".join(KINDS) else "")
     started, clock = datetime.datetime.now(datetime.UTC), time.monotonic()
     outcomes: list[Outcome] = []
+    limits: list[LimitOutcome] = []
     peer: dict[str, dict[str, float]] = {}
-    numel = args.numel or (QUICK_ALLREDUCE_NUMEL if args.quick else ALLREDUCE_NUMEL)
-    calls = [] if args.no_allreduce else allreduce_part(kinds, numel, 3, density)
+    calls = [] if args.no_allreduce else allreduce_part(kinds, sizes, ALLREDUCE_CALLS, density)
 
     def write() -> None:
-        args.out.write_text(report(outcomes, calls, peer, command, started,
-                                   time.monotonic() - clock, steps, density, numel, note))
+        args.out.write_text(report(outcomes, calls, limits, peer, command, started,
+                                   time.monotonic() - clock, steps, density, seeds, note))
 
     write()
     with tempfile.TemporaryDirectory(prefix="compression-bench-") as tmp:
@@ -578,11 +857,14 @@ def main() -> None:
                 outcome = run_cell(Cell(model, kind), steps[model], density, timeout, Path(tmp))
                 outcomes.append(outcome)
                 value = outcome.accuracy if model == "cnn" else outcome.perplexity
-                print(f"{model:8} {kind:9} {outcome.status:8} metric {fmt(value, 4):>7} "
+                print(f"{model:8} {kind:11} {outcome.status:8} metric {fmt(value, 4):>7} "
                       f"sent/step {kib(outcome.sent_per_step):>7} KiB  all-reduce "
                       f"{fmt(outcome.allreduce_seconds * 1000):>6} ms  wall {outcome.wall:.0f} s "
                       f"{outcome.note}", flush=True)
                 write()
+    if not args.no_limits:
+        limits = limits_part(models, steps, density, seeds)
+        write()
     if not args.no_peer:
         for model in models:
             peer[model] = powersgd_peer(model, 4, 20 if args.quick else 60)
