@@ -95,8 +95,8 @@ def test_connect_to_nobody_times_out_clearly():
     with socket.socket() as unused:
         unused.bind(LOOPBACK)
         address = unused.getsockname()  # bound, never listening: refused
-    with pytest.raises(TransportTimeout, match=rf"rank 2: connecting to rank 5 at "
-                                               rf"127.0.0.1:{address[1]}: Connection refused for 0.2 s"):
+    with pytest.raises(TransportTimeout, match=rf"rank 2: connecting to rank 5 at 127.0.0.1:"
+                                               rf"{address[1]}: Connection refused for 0.2 s"):
         Stream.connect(address, rank=2, peer=5, run_id=RUN, timeout=0.2)
 
 
