@@ -40,6 +40,7 @@ from testbed.transport import (
     decode,
     encode,
     expected_chunks,
+    mmsg,
     payload_capacity,
     place,
 )
@@ -398,6 +399,23 @@ def test_errors_name_the_problem(pair):
         sender.send_tensor(1, Kind.GRADIENT, 0, 0, torch.ones(1, dtype=torch.float64))
     with pytest.raises(ValueError, match="step: 4294967296"):
         sender.send_tensor(1, Kind.GRADIENT, 2**32, 0, torch.ones(1))
+
+
+def test_a_c_library_without_recvmmsg_is_a_clear_error(monkeypatch):
+    """No slower path behind the user's back: without recvmmsg/sendmmsg there is no endpoint,
+    and the error says what is missing."""
+
+    class Bare:  # a C library that has neither call
+        def __init__(self, *args, **kwargs) -> None:
+            pass
+
+    mmsg.mmsg_calls.cache_clear()
+    monkeypatch.setattr(mmsg.ctypes, "CDLL", Bare)
+    try:
+        with pytest.raises(TransportError, match=r"needs recvmmsg\(2\) and sendmmsg\(2\)"):
+            DatagramEndpoint(0, RUN, LOOPBACK)
+    finally:
+        mmsg.mmsg_calls.cache_clear()
 
 
 def test_buffers_are_granted_and_reported():
