@@ -550,36 +550,35 @@ class DatagramEndpoint:
         sizes = np.concatenate(([0], np.cumsum(outgoing.size)))
         fd, n = self._sock.fileno(), len(outgoing)
         done = paid = 0
-        while done < n:
-            end = min(done + self._send_batch, n)
-            if self._bucket is not None and end > paid:
-                first = max(done, paid)
-                self._pace(int(sizes[end] - sizes[first]) + (end - first) * self._frame_overhead)
-                paid = end
-            sent, code = outgoing.send(fd, done, end - done)
-            self._count_sent(peers, outgoing, done, done + sent)
-            done += sent
-            if code == errno.EMSGSIZE:
-                peer = peers[outgoing.run[done]]
-                raise TransportError(
-                    f"rank {self.rank}: a {outgoing.size[done]}-byte datagram to peer {peer} at "
-                    f"{self._peers[peer]} is too large ({os.strerror(code)}); is "
-                    f"mtu={self.mtu} right for this path?")
-            if code:
-                self._counters[peers[outgoing.run[done]]].send_errors += 1
-                done += 1
+        sent = np.zeros(n, dtype=bool)  # counted per peer once, however the send ends
+        try:
+            while done < n:
+                end = min(done + self._send_batch, n)
+                if self._bucket is not None and end > paid:
+                    first = max(done, paid)
+                    self._pace(int(sizes[end] - sizes[first])
+                               + (end - first) * self._frame_overhead)
+                    paid = end
+                taken, code = outgoing.send(fd, done, end - done)
+                sent[done:done + taken] = True
+                done += taken
+                if code == errno.EMSGSIZE:
+                    peer = peers[outgoing.run[done]]
+                    raise TransportError(
+                        f"rank {self.rank}: a {outgoing.size[done]}-byte datagram to peer "
+                        f"{peer} at {self._peers[peer]} is too large ({os.strerror(code)}); is "
+                        f"mtu={self.mtu} right for this path?")
+                if code:
+                    self._counters[peers[outgoing.run[done]]].send_errors += 1
+                    done += 1
+        finally:
+            whose = outgoing.run[sent]
+            datagrams = np.bincount(whose, minlength=len(peers)).tolist()
+            nbytes = np.bincount(whose, weights=outgoing.size[sent], minlength=len(peers))
+            for peer, count, size in zip(peers, datagrams, nbytes.tolist(), strict=True):
+                self._counters[peer].datagrams_sent += count
+                self._counters[peer].bytes_sent += int(size)
         return {peer: len(run.starts) for peer, run in zip(peers, runs, strict=True)}
-
-    def _count_sent(self, peers: Sequence[int], outgoing: Outgoing, start: int,
-                    end: int) -> None:
-        """Count messages start..end-1 of `outgoing` as sent, per peer."""
-        runs = outgoing.run[start:end]
-        datagrams = np.bincount(runs, minlength=len(peers))
-        nbytes = np.bincount(runs, weights=outgoing.size[start:end], minlength=len(peers))
-        for peer, count, size in zip(peers, datagrams.tolist(), nbytes.tolist(), strict=True):
-            counters = self._counters[peer]
-            counters.datagrams_sent += count
-            counters.bytes_sent += int(size)
 
     def open(
         self,
