@@ -21,16 +21,17 @@ chunks interleaved, so no link gets more than its rate from the others together.
 Every `resync_every`-th step the broadcast goes over TCP instead, so all copies equal the
 owners' again.
 
-How long a phase waits for a peer has two parts, so that a peer that computed longer is not
-mistaken for a lossy link, and each is learned (`estimate.AdaptiveDeadline`). Until its first
-chunk of the phase comes, a peer is waited for up to the phase's skew deadline, learned from
-how long after this worker's start the peers' first chunks came in recent calls (training is
-synchronous: the step waits for the slowest worker, as gloo would; `straggler_timeout` caps
-it). From its first chunk on, its stream has the phase's transfer deadline, learned from how
-long recent streams took from first to last chunk, whatever their start. Both grow after
-calls whose chunks came late. A peer that sent nothing in time is absent: later calls do not
+How long a phase waits for a peer depends on where the peer is, so that a peer that computed
+longer is not mistaken for a lossy link, nor a lost stream for a slow peer. Every datagram says
+which (step, bucket, phase) it belongs to, and a waiting worker says where it is (a PROGRESS
+datagram, repeated while it waits). A peer not yet seen at this phase is behind: it is waited
+for, up to `straggler_timeout` (training is synchronous: the step waits for the slowest worker,
+as gloo would). A peer seen at or past it sent its stream: from its first chunk (or from when
+it was seen there) the stream has the phase's transfer deadline (`estimate.AdaptiveDeadline`,
+learned from how long recent streams took from first to last chunk), and what has not come by
+then was lost. A peer that showed nothing within the timeout is absent: later calls do not
 wait for it until a datagram of its arrives again (a preempted or partitioned peer costs one
-wait, not one per step). A call that has everything in hand ends at once.
+timeout, not one per step). A call that has everything in hand ends at once.
 """
 
 from __future__ import annotations
@@ -50,8 +51,6 @@ from testbed.transport.tensors import codec_of, values_of
 from testbed.transport.udp import DatagramEndpoint, Landing, Sink, chunk_count
 from testbed.transport.wire import Codec, Kind
 
-SKEW_FLOOR = 0.1  # seconds: the least a present peer's first chunk is waited for
-SKEW_INITIAL = 1.0  # seconds, until the skew deadline has seen enough calls
 BUCKETS = 1 << 32  # the datagram header's bucket field: calls are numbered modulo this
 
 # The owner's optimizer on its shard: (start in the flat vector, current parameters of the
@@ -172,13 +171,6 @@ class Lossy:
                              initial=deadline_initial)
             for _ in range(2)
         )
-        # How long a peer's first chunk is waited for: not the cap itself, or a short stream
-        # lost whole (one chunk at 10% loss: one call in ten) would cost the cap every time.
-        self.gather_skew, self.broadcast_skew = (
-            AdaptiveDeadline(floor=min(SKEW_FLOOR, straggler_timeout), ceiling=straggler_timeout,
-                             initial=min(SKEW_INITIAL, straggler_timeout))
-            for _ in range(2)
-        )
         self._step, self._in_step = -1, 0  # calls within one step are numbered (the bucket)
         # Peers that sent nothing in time, with their received-datagram count then: they are
         # not waited for until that count moves.
@@ -286,8 +278,7 @@ class Lossy:
                                        {peer: shards[peer] for peer in self.peers})
             gather_deadline = self.gather_deadline.seconds
             gather_arrived = self._collect(Kind.GRADIENT, step, bucket, gather_keep, started,
-                                           gather_deadline, self.gather_deadline,
-                                           self.gather_skew)
+                                           gather_deadline, self.gather_deadline)
             gathered = time.monotonic()
             own = result[mine]
             if update is None:
@@ -307,7 +298,7 @@ class Lossy:
                                            dict.fromkeys(self.peers, (own, own_counts)))
                 broadcast_arrived = self._collect(
                     Kind.PARAMETER, step, bucket, broadcast_keep, broadcasting,
-                    broadcast_deadline, self.broadcast_deadline, self.broadcast_skew)
+                    broadcast_deadline, self.broadcast_deadline)
             broadcast = time.monotonic()
         finally:  # a call that failed leaves no key open to land in its tensors
             self.endpoint.close_key(Kind.GRADIENT, step, bucket)
@@ -412,33 +403,28 @@ class Lossy:
 
     def _collect(
         self, kind: Kind, step: int, bucket: int, keep: Mapping[int, np.ndarray],
-        started: float, transfer: float, learner: AdaptiveDeadline, skew: AdaptiveDeadline,
+        started: float, transfer: float, learner: AdaptiveDeadline,
     ) -> dict[int, np.ndarray]:
-        """Wait for the opened (kind, step, bucket): a present sender's first chunk up to the
-        `skew` deadline after `started`, an absent one's not at all, and each stream for
-        `transfer` seconds from its first chunk. Per sender, which of its chunks came and
-        count (`keep`). Teaches `learner` how long the streams took and `skew` how late they
-        started (late chunks of a sender that started in time: the transfer was too short;
-        of one that did not: the skew was); marks who sent nothing."""
-        waited = skew.seconds
-        start_by = {sender: started if sender in self._absent else started + waited
-                    for sender in keep}
+        """Wait for the opened (kind, step, bucket), saying where this worker is meanwhile: a
+        present sender that is behind up to `straggler_timeout` after `started`, an absent
+        one not at all, and each stream for `transfer` seconds from its first chunk (or from
+        when its sender was seen past it). Per sender, which of its chunks came and count
+        (`keep`). Teaches `learner` how long the streams took; marks who sent nothing."""
+        start_by = {sender: started if sender in self._absent
+                    else started + self.straggler_timeout for sender in keep}
         collected = self.endpoint.collect(
-            kind, step, bucket, None, started + waited + transfer,
-            settle=self.settle, transfer=transfer, start_by=start_by)
+            kind, step, bucket, None, started + self.straggler_timeout + transfer,
+            settle=self.settle, transfer=transfer, start_by=start_by, announce=True)
         first = collected.first_arrivals
-        late = {s: n for s, n in collected.late_from.items() if s not in self._absent}
         present = [s for s in first if s not in self._absent]
         if present:
             took = max(collected.last_arrivals[s] - first[s] for s in present)
-            learner.observe(took, sum(n for s, n in late.items() if s in first))
-            skew.observe(max(0.0, max(first[s] for s in present) - started),
-                         sum(n for s, n in late.items() if s not in first))
-        if any(sender not in collected.first_arrivals for sender in keep):
+            learner.observe(took, sum(collected.late_from.get(s, 0) for s in present))
+        silent = [s for s in keep if s not in first and s not in collected.reached]
+        if silent:
             received = self._counters().received
-            for sender in keep:
-                if sender not in collected.first_arrivals:
-                    self._absent.setdefault(sender, received.get(sender, 0))
+            for sender in silent:
+                self._absent.setdefault(sender, received.get(sender, 0))
         return {sender: collected.arrived[sender] & kept for sender, kept in keep.items()}
 
     def _notice_returns(self, received: Mapping[int, int]) -> None:

@@ -89,6 +89,8 @@ BATCH_SECONDS = 0.005  # a paced sender hands the kernel this much traffic per c
 # While datagrams keep coming, a collect waits this long before it reads, so one read takes a
 # batch; a wait that found nothing sleeps in poll until something comes.
 NAP_SECONDS = 0.001
+NOWHERE = (-1, -1, -1, -1)  # a sender's progress before any datagram of its
+ANNOUNCE_SECONDS = 0.02  # how often a waiting worker says where it is (`collect(announce=)`)
 # A paced sender reads its socket this often: at 100 Mbit/s a read then takes ~80 datagrams,
 # and even at 1 Gbit/s what comes meanwhile (2 MB of buffer) fits the default receive buffer.
 READ_INTERVAL = 0.01
@@ -140,7 +142,8 @@ class Collected:
     the senders that had no sink. How many datagrams of this kind came late for keys closed
     before (a deadline that was too short) since the key was opened, in all and per sender;
     when the last in-time chunk came (time.monotonic(); None if none did). Per sender that sent
-    any in time: when its first and its last chunk of the key came."""
+    any in time: when its first and its last chunk of the key came; per sender none of whose
+    chunks came but that was seen past its part of the key (it sent them: lost): when."""
 
     chunks: list[Chunk]
     arrived: dict[int, np.ndarray]
@@ -149,6 +152,7 @@ class Collected:
     late_from: dict[int, int] = dataclasses.field(default_factory=dict)
     first_arrivals: dict[int, float] = dataclasses.field(default_factory=dict)
     last_arrivals: dict[int, float] = dataclasses.field(default_factory=dict)
+    reached: dict[int, float] = dataclasses.field(default_factory=dict)
 
     @property
     def missing(self) -> set[tuple[int, int]]:
@@ -337,6 +341,9 @@ class _Open:
         self.first: dict[int, float] = {}  # per sender, when its first chunk of the key came
         self.last: dict[int, float] = {}  # per sender, when its latest chunk of the key came
         self.ended: set[int] = set()  # senders whose stream reached its tail
+        # per sender without a chunk yet, when it was first seen past its part of the key:
+        # it sent it, so what has not come was lost (or is still on its way)
+        self.reached: dict[int, float] = {}
         self.newest: float | None = None  # when the newest chunk came
         self.late_before = late_before  # datagrams of this kind late per sender, when opened
 
@@ -468,6 +475,10 @@ class DatagramEndpoint:
         self._rcvbuf_drops = 0
         self._waiting: dict[Key, list[_Batch]] = {}  # datagrams of keys nobody opened yet
         self._open: dict[Key, _Open] = {}
+        # per sender, the furthest (step, bucket, kind, done) of its GRADIENT or PARAMETER
+        # datagrams (done 0: it was sending that part) or PROGRESS ones (done 1: it had sent
+        # it): where it got to
+        self._progress: dict[int, tuple[int, int, int, int]] = {}
         self._closed: set[Key] = set()
         self._closed_below = 0  # every step below this is closed
         self._late: Counter[tuple[int, int]] = Counter()  # per (kind, sender)
@@ -611,6 +622,9 @@ class DatagramEndpoint:
         late_before = Counter({sender: count for (kind_, sender), count in self._late.items()
                                if kind_ == key[0]})
         state = self._open[key] = _Open(expected, sinks, late_before)
+        now = time.monotonic()
+        for sender in expected:
+            self._note_reached(state, key, sender, now)
         for batch in self._waiting.pop(key, []):
             for sender in np.unique(batch["sender"]).tolist():
                 state.deliver(sender, batch.take(batch["sender"] == sender), self._chunk_numel)
@@ -627,6 +641,7 @@ class DatagramEndpoint:
         into: Mapping[int, torch.Tensor | Sink] | None = None,
         transfer: float | None = None,
         start_by: Mapping[int, float] | None = None,
+        announce: bool = False,
     ) -> Collected:
         """Chunks of (kind, step, bucket) until every expected chunk came or time.monotonic()
         passes `deadline`. With `expected` (a chunk count per sender) and `into`, the key is
@@ -643,7 +658,14 @@ class DatagramEndpoint:
         default `deadline`). The wait ends once no sender that still owes chunks is within its
         limit. So a sender that starts late (it computed longer) is waited for as long as
         `start_by` allows, and its stream as long as a stream takes, whatever its start;
-        `deadline` still bounds the whole wait."""
+        `deadline` still bounds the whole wait. A sender seen past its part of the key
+        (datagrams of a later key, or PROGRESS) sent it: if none of its chunks came, they
+        were lost, and it is waited for only `transfer` more (`settle` with the others).
+
+        With `announce`, this worker says where it is (`announce`) to every sender of the key
+        as the wait begins and every ANNOUNCE_SECONDS while it lasts: a sender whose whole
+        stream to this worker was lost then learns that this worker sent its own, and stops
+        waiting for it, however short the streams."""
         key = (int(kind), step, bucket)
         if expected is not None:
             self.open(kind, step, bucket, expected, into=into)
@@ -652,14 +674,20 @@ class DatagramEndpoint:
                              f"open; give `expected` (and `into`) to open it here")
         state = self._open[key]
         started = time.monotonic()
+        heard = started  # the next announcement, when announcing
         try:
             self._drain()
             while any(owed > 0 for owed in state.owed.values()):
                 now = time.monotonic()
+                if announce and now >= heard:
+                    self.announce(kind, step, bucket, list(state.owed))
+                    heard = now + ANNOUNCE_SECONDS
                 limits = self._limits(state, deadline, transfer, start_by or {}, now)
                 if not limits:
                     break
                 until = max(limits.values())
+                if announce:
+                    until = min(until, heard)
                 if settle is not None and state.ended >= limits.keys():
                     quiet = (started if state.newest is None else state.newest) + settle
                     if quiet <= now:
@@ -679,6 +707,7 @@ class DatagramEndpoint:
             late_from=late_from,
             first_arrivals=state.first,
             last_arrivals=state.last,
+            reached=state.reached,
         )
 
     def close_key(self, kind: Kind, step: int, bucket: int) -> None:
@@ -698,7 +727,7 @@ class DatagramEndpoint:
                 continue
             limit = deadline
             if transfer is not None:
-                first = state.first.get(sender)
+                first = state.first.get(sender, state.reached.get(sender))
                 limit = min(deadline, first + transfer if first is not None
                             else start_by.get(sender, deadline))
             if limit > now:
@@ -827,7 +856,46 @@ class DatagramEndpoint:
             counters = self._counters[sender]
             counters.datagrams_received += kept
             counters.bytes_received += int(batch["payload_len"].sum()) + kept * HEADER_SIZE
-            self._route(sender, batch)
+            progress = batch["kind"] == Kind.PROGRESS
+            self._advance(sender, batch, progress)
+            if progress.any():  # said, taken in: nothing to route
+                batch = batch.take(~progress)
+            if len(batch):
+                self._route(sender, batch)
+
+    def _advance(self, sender: int, batch: _Batch, progress: np.ndarray) -> None:
+        """Where `sender` got to, from its datagrams' keys (a PROGRESS datagram's kind is its
+        payload byte); each opened key it is now past or at notes that (`_Open.reached`)."""
+        kinds = np.where(progress, batch.rows[:, HEADER_SIZE] if progress.any() else 0,
+                         batch["kind"])
+        phase = (kinds == Kind.GRADIENT) | (kinds == Kind.PARAMETER)
+        if not phase.any():
+            return
+        steps, buckets, kinds = batch["step"][phase], batch["bucket"][phase], kinds[phase]
+        done = progress[phase]
+        last = np.lexsort((done, kinds, buckets, steps))[-1]
+        furthest = (int(steps[last]), int(buckets[last]), int(kinds[last]), int(done[last]))
+        if furthest <= self._progress.get(sender, NOWHERE):
+            return
+        self._progress[sender] = furthest
+        now = float(batch.arrival[-1])
+        for key, state in self._open.items():
+            self._note_reached(state, key, sender, now)
+
+    def _note_reached(self, state: _Open, key: Key, sender: int, now: float) -> None:
+        """If `sender` is past its part of `key` (it said so, or sent a later key's) with none
+        of its chunks here yet, it sent them: from now its stream is waited for as if it had
+        begun, and it has ended."""
+        if (sender in state.owed and sender not in state.first and sender not in state.reached
+                and self._progress.get(sender, NOWHERE) >= (key[1], key[2], key[0], 1)):
+            state.reached[sender] = now
+            state.ended.add(sender)
+
+    def announce(self, kind: Kind, step: int, bucket: int, peers: Collection[int]) -> None:
+        """Tell `peers` this worker sent its part of (kind, step, bucket) and now waits for
+        theirs: a PROGRESS datagram each (it could be lost too: `collect` says it again)."""
+        self.send_tensors(Kind.PROGRESS, step, bucket,
+                          dict.fromkeys(peers, np.array([int(kind)], dtype=np.uint8)))
 
     def _route(self, sender: int, batch: _Batch) -> None:
         """Each datagram to its opened key, to the keys waiting to be opened, or late."""

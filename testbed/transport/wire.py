@@ -38,6 +38,9 @@ class Kind(IntEnum):
     PARAMETER = 2  # an owner's fresh shard, broadcast to every worker
     CONTROL = 3  # anything else a collective needs to say (membership, step markers)
     HELLO = 4  # the first TCP message on a connection: who is calling whom
+    # A worker's progress: it has sent its part of (step, bucket) of the kind its one payload
+    # byte names, and waits for the others' (so they stop waiting for what was lost of it).
+    PROGRESS = 5
 
 
 class Codec(IntEnum):

@@ -6,6 +6,7 @@ mean is an unbiased estimate is tests/unit/test_estimate.py's concern."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -255,6 +256,29 @@ def test_a_peer_that_computes_longer_than_the_deadline_is_waited_for_not_lost():
             assert stats.coverage == 1.0, stats
             torch.testing.assert_close(result, sum(inputs) / world)
         assert results[0][1].seconds >= lag
+    finally:
+        close_all(group)
+
+
+def test_workers_stay_in_step_when_some_pause():
+    """Workers 1 and 2 pause for longer than any learned deadline in the middle of a run:
+    worker 0 waits for them rather than running ahead on its own, so every call of every
+    worker has every contribution (a worker ahead would take the others for lost, and they
+    would use its buffered chunks without waiting: a gap that never closes)."""
+    world, numel, pause = 3, 3000, 0.3
+    group = lossy_group(world, deadline=0.01, straggler_timeout=5.0)
+    coverage = {rank: [] for rank in range(world)}
+    try:
+        inputs = seeded(world, numel)
+
+        def run(rank):
+            for step in range(20):
+                if rank and step == 10:
+                    time.sleep(pause)  # the work itself: these two compute longer once
+                coverage[rank].append(group[rank].allreduce(inputs[rank], step=step)[1].coverage)
+
+        concurrently(*(lambda r=r: run(r) for r in range(world)))
+        assert all(c == [1.0] * 20 for c in coverage.values()), coverage
     finally:
         close_all(group)
 

@@ -245,6 +245,52 @@ def test_settle_still_waits_for_a_stream_that_has_not_ended(raw):
         assert got.missing == {(5, index) for index in range(4, 10)}
 
 
+def progress(seq: int, kind: Kind = Kind.GRADIENT, step: int = 0, bucket: int = 0) -> bytes:
+    """Rank 5 says it sent its part of (kind, step, bucket)."""
+    return encode(Header(MAGIC, VERSION, Kind.PROGRESS, Codec.BYTES, 5, RUN, 1, seq, step,
+                         bucket, 0, 1, 1), bytes([kind]))
+
+
+@pytest.mark.parametrize("evidence", ["progress", "a later key"])
+def test_a_sender_seen_past_its_stream_is_not_waited_for_as_a_straggler(raw, evidence):
+    """Rank 5's only chunk of the key was lost; then it says it sent it (or sends the next
+    key): the stream is over, so the wait ends long before the straggler limit."""
+    with DatagramEndpoint(1, RUN, LOOPBACK, peers={5: raw.getsockname()}) as receiver:
+        said = (progress(0) if evidence == "progress"
+                else crafted(0, kind=Kind.PARAMETER))  # (0, 0, GRADIENT) was before it
+        raw.sendto(said, receiver.address)
+        start = time.monotonic()
+        got = receiver.collect(Kind.GRADIENT, 0, 0, {5: 1}, start + WAIT, settle=0.01,
+                               transfer=0.05, start_by={5: start + WAIT})
+        assert time.monotonic() - start < WAIT / 2, "waited for a stream that was sent"
+        assert got.missing == {(5, 0)} and set(got.reached) == {5}
+        assert receiver.counters()[5].datagrams_late == 0  # said, not late
+
+
+def test_a_sender_still_sending_its_stream_is_waited_for(raw):
+    """Chunks of the key itself say the sender is sending it, not that it is done."""
+    with DatagramEndpoint(1, RUN, LOOPBACK, peers={5: raw.getsockname()}) as receiver:
+        send_chunks(raw, receiver, range(4), chunks=10)
+        start = time.monotonic()
+        got = receiver.collect(Kind.GRADIENT, 0, 0, {5: 10}, start + 0.3, settle=0.01,
+                               transfer=1.0, start_by={5: start + 0.3})
+        assert time.monotonic() - start >= 0.3 and not got.reached
+
+
+def test_a_waiting_receiver_says_where_it_is(pair):
+    """With `announce`, the receiver tells its senders it sent its part and waits: they see
+    it past that key."""
+    sender, receiver = pair
+    receiver.add_peer(0, sender.address)
+    got = receiver.collect(Kind.PARAMETER, 3, 2, {0: 1}, time.monotonic() + 0.05,
+                           announce=True)
+    assert got.missing == {(0, 0)}
+    sender.open(Kind.PARAMETER, 3, 2, {1: 1})
+    reached = sender.collect(Kind.PARAMETER, 3, 2, None, time.monotonic() + WAIT,
+                             transfer=0.01, start_by={1: time.monotonic() + WAIT})
+    assert set(reached.reached) == {1}
+
+
 def test_chunks_land_in_their_tensor_as_they_come_and_misfits_are_left_out(pair):
     sender, receiver = pair
     numel = receiver.chunk_numel()
