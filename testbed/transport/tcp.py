@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import errno
 import math
+import select
 import socket
 import struct
 import time
@@ -45,7 +46,9 @@ CONNECT_RETRY = 0.05  # seconds between attempts while a peer's listener is not 
 # A connect that fails with these is tried again: the peer's neighbour lookup can fail on a
 # lossy link (its ARP packets are shaped too), which says nothing about the peer.
 RETRIED = frozenset({errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN})
-HELLO_TIMEOUT = 5.0  # a caller says hello at once; a silent one must not hold up the others
+# A caller says hello at once, but on a lossy link its segment may need retransmits: after a
+# lost SYN, TCP's first retransmit comes 3 s later, the next 6 s after that.
+HELLO_TIMEOUT = 30.0
 MAX_MESSAGE = 1 << 32  # a length beyond this is a broken or foreign stream, not a tensor
 _HELLO = struct.Struct("!H")  # HELLO payload: the rank the caller meant to reach
 _SYSCTL = Path("/proc/sys/net/ipv4")
@@ -271,6 +274,35 @@ class Stream:
         return kind(f"{self._where(action)}: {exc.strerror} after {done} of {total} bytes")
 
 
+@dataclass
+class _Greeting:
+    """A connection accepted whose hello has not been read yet."""
+
+    stream: Stream
+    source: tuple[str, int]
+    since: float
+
+    def hear(self, rank: int, expect: Collection[int] | None, timeout: float) -> str | None:
+        """Read the hello (its bytes have begun to arrive); None if it is one for `rank` from
+        a peer in `expect` (the stream then names that peer), else what was wrong."""
+        try:
+            hello = self.stream.recv_message(timeout=timeout)
+        except TransportError as exc:
+            return str(exc)
+        target = _HELLO.unpack(hello.payload)[0] if len(hello.payload) == _HELLO.size else None
+        sender = hello.header.sender
+        if hello.header.kind != Kind.HELLO or target is None:
+            problem = f"{Kind(hello.header.kind).name} instead of a hello"
+        elif target != rank:
+            problem = f"rank {sender} meant to reach rank {target}"
+        elif expect is not None and sender not in expect:
+            problem = f"rank {sender}, not one of {sorted(expect)}"
+        else:
+            self.stream.peer = sender
+            return None
+        return f"{self.source[0]}:{self.source[1]}: {problem}"
+
+
 class Listener:
     """A listening socket; connections accepted from it inherit its congestion control."""
 
@@ -291,6 +323,8 @@ class Listener:
             where = f"listening on {address[0]}:{address[1]}"
             raise TransportError(f"{where}: {exc.strerror}") from None
         self.address: tuple[str, int] = self._sock.getsockname()[:2]
+        self._sock.setblocking(False)  # accepted only when select says a call is there
+        self._greeting: list[_Greeting] = []  # connected, hello not yet read
 
     @property
     def congestion(self) -> str:
@@ -305,42 +339,53 @@ class Listener:
         expect: Collection[int] | None = None,
     ) -> Stream:
         """The next peer (one of `expect`, if given) that says hello to `rank` in this run.
-        Connections that do not are closed and named in the timeout's message."""
+        Hellos are awaited side by side, so one slow or silent caller holds up nobody (on a
+        lossy link a hello can need several retransmits, seconds apart); callers that have
+        not spoken yet wait on the listener for the next call. Connections that say something
+        else are closed and named in the timeout's message."""
         deadline = time.monotonic() + timeout
         turned_away: list[str] = []
         while (remaining := deadline - time.monotonic()) > 0:
-            self._sock.settimeout(remaining)
-            try:
-                sock, source = self._sock.accept()
-            except TimeoutError:
-                break
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            stream = Stream(sock, source[:2], rank=rank, peer=UNKNOWN_PEER, run_id=run_id)
-            try:
-                hello = stream.recv_message(timeout=min(remaining, HELLO_TIMEOUT))
-            except TransportError as exc:
-                stream.close()
-                turned_away.append(str(exc))
-                continue
-            target = _HELLO.unpack(hello.payload)[0] if len(hello.payload) == _HELLO.size else None
-            sender = hello.header.sender
-            if hello.header.kind != Kind.HELLO or target is None:
-                problem = f"{Kind(hello.header.kind).name} instead of a hello"
-            elif target != rank:
-                problem = f"rank {sender} meant to reach rank {target}"
-            elif expect is not None and sender not in expect:
-                problem = f"rank {sender}, not one of {sorted(expect)}"
-            else:
-                stream.peer = sender
-                return stream
-            stream.close()
-            turned_away.append(f"{source[0]}:{source[1]}: {problem}")
+            self._drop_silent(turned_away)
+            waiting = [self._sock, *(greeting.stream.sock for greeting in self._greeting)]
+            readable, _, _ = select.select(waiting, [], [], min(remaining, HELLO_TIMEOUT))
+            for sock in readable:
+                if sock is self._sock:
+                    self._take_call(rank, run_id)
+                    continue
+                greeting = next(g for g in self._greeting if g.stream.sock is sock)
+                self._greeting.remove(greeting)
+                problem = greeting.hear(rank, expect, min(remaining, HELLO_TIMEOUT))
+                if problem is None:
+                    return greeting.stream
+                greeting.stream.close()
+                turned_away.append(problem)
         waited_for = f"ranks {sorted(expect)}" if expect is not None else "a peer"
+        silent = [f"{g.source[0]}:{g.source[1]}" for g in self._greeting]
         extra = f"; turned away: {'; '.join(turned_away)}" if turned_away else ""
+        extra += f"; connected, no hello yet: {', '.join(silent)}" if silent else ""
         raise TransportTimeout(
             f"rank {rank}: waiting on {self.address[0]}:{self.address[1]} for {waited_for} to "
             f"connect: timed out after {timeout:g} s{extra}"
         )
+
+    def _take_call(self, rank: int, run_id: int) -> None:
+        try:
+            sock, source = self._sock.accept()
+        except BlockingIOError:  # the caller gave up between select and accept
+            return
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        stream = Stream(sock, source[:2], rank=rank, peer=UNKNOWN_PEER, run_id=run_id)
+        self._greeting.append(_Greeting(stream, source[:2], time.monotonic()))
+
+    def _drop_silent(self, turned_away: list[str]) -> None:
+        """Close the connections that said nothing for HELLO_TIMEOUT."""
+        now = time.monotonic()
+        for greeting in [g for g in self._greeting if now - g.since > HELLO_TIMEOUT]:
+            self._greeting.remove(greeting)
+            greeting.stream.close()
+            turned_away.append(f"{greeting.source[0]}:{greeting.source[1]}: no hello within "
+                               f"{HELLO_TIMEOUT:g} s")
 
     def shutdown(self) -> None:
         """Wake a thread blocked in `accept` (it fails with OSError). Unlike connecting to
@@ -349,6 +394,9 @@ class Listener:
             self._sock.shutdown(socket.SHUT_RDWR)
 
     def close(self) -> None:
+        for greeting in self._greeting:
+            greeting.stream.close()
+        self._greeting.clear()
         self._sock.close()
 
     def __enter__(self) -> Listener:

@@ -112,6 +112,21 @@ def test_accept_turns_away_strangers_and_names_them():
     assert "bad_magic" in text and "foreign_run" in text
 
 
+def test_a_caller_slow_to_say_hello_holds_up_nobody_and_is_heard_later():
+    """On a lossy link a hello can need retransmits seconds apart: the listener hears the
+    callers that speak meanwhile, and the slow one when its hello comes."""
+    with Listener(LOOPBACK) as listener, socket.create_connection(listener.address) as slow:
+        prompt = Stream.connect(listener.address, rank=2, peer=0, run_id=RUN, timeout=WAIT)
+        first = listener.accept(rank=0, run_id=RUN, timeout=WAIT, expect={1, 2})
+        assert first.peer == 2
+        late = Stream(slow, listener.address, rank=1, peer=0, run_id=RUN)
+        late.send_message(Kind.HELLO, 0, 0, (0).to_bytes(2, "big"), timeout=WAIT)
+        second = listener.accept(rank=0, run_id=RUN, timeout=WAIT, expect={1})
+        assert second.peer == 1
+        for stream in (prompt, first, second):
+            stream.close()
+
+
 def test_unexpected_message_is_a_protocol_error(mesh):
     a, b = mesh(2)
     a[1].send_tensor(torch.ones(4), kind=Kind.GRADIENT, step=1, bucket=0, timeout=WAIT)
