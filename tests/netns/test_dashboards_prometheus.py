@@ -6,9 +6,9 @@ A Prometheus server (Debian's /usr/bin/prometheus) scrapes every 1 s the workers
 metric a panel shows:
 
 - lossy: the lossy all-reduce with 20% loss between workers 0 and 1 (lost datagrams, chunks
-  missing, drift), a TCP resync every 3 steps, worker 3 a 300 ms straggler past a fixed 50 ms
-  deadline (late datagrams, straggler wait) with DropCompute at 50 ms (drops), evaluations
-  every 10 steps (eval loss, accuracy);
+  missing, drift), a TCP resync every 3 steps, worker 3 a 300 ms straggler whom the others
+  wait for only 100 ms (`straggler_timeout`: late datagrams, straggler wait) with DropCompute
+  at 50 ms (drops), evaluations every 10 steps (eval loss, accuracy);
 - moshpit: Moshpit averaging with worker 3 killed at step 25 and restarted at step 30 (rounds,
   incomplete rounds, calls without a peer, a rejoin);
 - ring: the ring all-reduce over links with 10% loss (its own sockets' retransmits).
@@ -68,7 +68,7 @@ topology:
 job: {model: mlp, steps: 30, batch: 32, micro_batches: 2, strategy: sharded, eval_every: 10,
       drop_compute: {threshold: 50ms}}
 collective: {kind: lossy, deadline_initial: 0.05, deadline_floor: 0.05, deadline_ceiling: 0.05,
-             resync_every: 3}
+             straggler_timeout: 0.1, resync_every: 3}
 metrics: {drift_every: 2, linger: 60s}  # not 3: a resync (every 3rd step) evens the copies
 """
 MOSHPIT = """
