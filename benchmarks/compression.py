@@ -43,10 +43,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from scenario_runs import fmt, run_scenario  # noqa: E402  (beside this script)
 
 RESULTS = REPO / "benchmarks" / "results" / "compression.md"
 WORLD = 4
@@ -132,30 +132,13 @@ class Outcome:
 
 
 def run_cell(cell: Cell, steps: int, density: float, timeout: float, workdir: Path) -> Outcome:
+    """Run the cell's scenario within `timeout`, read its figures from the run."""
     import numpy as np
 
-    from testbed.cluster.runner import ClusterRun, RunTimeout
-    from testbed.report.run import load_run
-
-    path = workdir / f"{cell.name}.yaml"
-    path.write_text(yaml.safe_dump(cell.scenario(steps, density), sort_keys=False))
-    run_dir = workdir / cell.name
-    runner = ClusterRun(path, run_dir=run_dir, backend="auto")
-    started = time.monotonic()
-    status, note = "ok", ""
-    try:
-        result = runner.run(timeout=timeout)
-        if not result.success:
-            status, note = "failed", result.error or ""
-    except RunTimeout:
-        status, note = "timeout", f"timed out after {timeout:.0f} s"
-    except Exception as error:  # one failed cell does not end the benchmark
-        status, note = "failed", f"{type(error).__name__}: {error}"
-    outcome = Outcome(cell, status, wall=time.monotonic() - started, note=note)
-    try:
-        run = load_run(run_dir)
-    except Exception as error:
-        outcome.note += f" (run unreadable: {error})"
+    ran = run_scenario(cell.scenario(steps, density), cell.name, workdir, timeout)
+    outcome = Outcome(cell, ran.status, wall=ran.wall, note=ran.note)
+    run = ran.run
+    if run is None:
         return outcome
     if run.steps:
         outcome.steps = len({event.step for event in run.steps})
@@ -168,8 +151,8 @@ def run_cell(cell: Cell, steps: int, density: float, timeout: float, workdir: Pa
         if cell.kind != "none":
             outcome.ratio = float(np.nanmean(run.column("compression_ratio")))
             outcome.error = float(np.nanmean(run.column("compression_error")))
-    evaluations = [w.evaluation for w in runner.workers if w.evaluation]
-    if status == "ok" and len(evaluations) == WORLD:
+    if ran.status == "ok" and len(ran.evaluations) == WORLD:
+        evaluations = ran.evaluations
         outcome.accuracy = sum(e["accuracy"] for e in evaluations) / WORLD
         outcome.perplexity = sum(e.get("perplexity", math.exp(e["loss"]))
                                  for e in evaluations) / WORLD
@@ -528,11 +511,6 @@ def powersgd_peer(model_name: str, rank: int, steps: int) -> dict[str, float]:
 
 
 # -- the report ------------------------------------------------------------------------------
-
-
-def fmt(value: float, digits: int = 3) -> str:
-    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else (
-        f"{value:.{digits}g}")
 
 
 def kib(value: float) -> str:

@@ -22,7 +22,6 @@ import datetime
 import math
 import os
 import platform
-import re
 import sys
 import tempfile
 import time
@@ -30,10 +29,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from scenario_runs import fmt, run_scenario  # noqa: E402  (beside this script)
 
 RESULTS = REPO / "benchmarks" / "results" / "training.md"
 WORLD = 4
@@ -113,34 +112,13 @@ class Outcome:
 
 
 def run_cell(cell: Cell, steps: int, timeout: float, workdir: Path) -> Outcome:
-    """Write the scenario, run it within `timeout`, read its figures from the run."""
+    """Run the cell's scenario within `timeout`, read its figures from the run."""
     import numpy as np
 
-    from testbed.cluster.runner import ClusterRun, RunTimeout
-    from testbed.report.run import load_run
-
-    path = workdir / f"{cell.name}.yaml"
-    path.write_text(yaml.safe_dump(cell.scenario(steps), sort_keys=False))
-    run_dir = workdir / cell.name
-    runner = ClusterRun(path, run_dir=run_dir, backend="auto")
-    started = time.monotonic()
-
-    status, note = "ok", ""
-    try:
-        result = runner.run(timeout=timeout)
-        if not result.success:
-            status, note = "failed", result.error or ""
-    except RunTimeout:
-        status, note = "timeout", f"timed out after {timeout:.0f} s"
-    except Exception as error:  # one failed cell does not end the benchmark
-        status, note = "failed", f"{type(error).__name__}: {error}"
-    if status == "failed":
-        note = worker_error(run_dir) or note
-    outcome = Outcome(cell, status, wall=time.monotonic() - started, note=note)
-    try:
-        run = load_run(run_dir)
-    except Exception as error:
-        outcome.note += f" (run unreadable: {error})"
+    ran = run_scenario(cell.scenario(steps), cell.name, workdir, timeout)
+    outcome = Outcome(cell, ran.status, wall=ran.wall, note=ran.note)
+    run = ran.run
+    if run is None:
         return outcome
     summary = run.summary or {}
     outcome.steps = int(summary.get("steps") or 0)
@@ -156,31 +134,15 @@ def run_cell(cell: Cell, steps: int, timeout: float, workdir: Path) -> Outcome:
         thresholds = run.column("threshold_seconds")
         thresholds = thresholds[np.isfinite(thresholds)]
         outcome.threshold = float(thresholds[-1]) if thresholds.size else math.nan
-    evaluations = [w.evaluation for w in runner.workers if w.evaluation]
-    if status == "ok" and len(evaluations) == WORLD:
-        perplexities = [e["perplexity"] for e in evaluations]
+    if ran.status == "ok" and len(ran.evaluations) == WORLD:
+        perplexities = [e["perplexity"] for e in ran.evaluations]
         outcome.perplexity = sum(perplexities) / WORLD
         outcome.perplexity_spread = max(perplexities) - min(perplexities)
-        outcome.eval_loss = sum(e["loss"] for e in evaluations) / WORLD
+        outcome.eval_loss = sum(e["loss"] for e in ran.evaluations) / WORLD
     return outcome
 
 
-def worker_error(run_dir: Path) -> str:
-    """The last line of the first worker log that ends in an error (gloo's timeout, say)."""
-    for log in sorted((run_dir / "logs").glob("worker-*.log")):
-        lines = [line.strip() for line in log.read_text(errors="replace").splitlines()
-                 if line.strip()]
-        if lines and "Error" in lines[-1]:
-            message = re.sub(r"\[[^]]*\] ", "", lines[-1])  # gloo's source location
-            return f"{log.stem}: {message[-160:]}"
-    return ""
-
-
 # -- the report ------------------------------------------------------------------------------
-
-
-def fmt(value: float, digits: int = 3) -> str:
-    return "-" if value is None or not math.isfinite(value) else f"{value:.{digits}g}"
 
 
 def fixed(value: float) -> str:
