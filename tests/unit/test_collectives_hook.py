@@ -31,10 +31,14 @@ def free_ports(count: int, kind: socket.SocketKind = socket.SOCK_STREAM) -> list
     return ports
 
 
-def worker(rank: int, ports: list[int], kind: str | None, results) -> None:
+def worker(rank: int, ports: list[int], choice: tuple[str, str | None, dict] | None,
+           results) -> None:
+    """One rank of a DDP model whose gradients go through `choice` (a collective kind, and a
+    compressor with its options, or None), or through DDP's own all-reduce (None)."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
+    from testbed.collectives.compression import wrap
     from testbed.collectives.hook import comm_hook
 
     torch.set_num_threads(1)
@@ -45,9 +49,12 @@ def worker(rank: int, ports: list[int], kind: str | None, results) -> None:
         net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
         model = DistributedDataParallel(net, bucket_cap_mb=0.005)  # several buckets
         collective = None
-        if kind is not None:
+        if choice is not None:
+            kind, compressor, options = choice
             addresses = [("127.0.0.1", port) for port in ports[1:]]
             collective = create(kind, rank, WORLD, addresses=addresses, **OPTIONS[kind])
+            if compressor is not None:
+                collective = wrap(collective, compressor, **options)
             model.register_comm_hook(state=None, hook=comm_hook(collective))
         data = torch.randn(16, 32, generator=torch.Generator().manual_seed(rank))
         model(data).pow(2).mean().backward()
@@ -88,12 +95,16 @@ def spawn(target: Callable[..., None], *args: object, wait: float = 60.0) -> lis
     return collected
 
 
-def gradients(kind: str | None) -> dict[int, list[torch.Tensor]]:
+def gradients(kind: str | None, compressor: str | None = None,
+              **options: object) -> dict[int, list[torch.Tensor]]:
+    """Every rank's gradients through collective `kind` (compressed if given; plain DDP if
+    `kind` is None)."""
     # The gloo store's port, then one port per rank: TCP for the ring, UDP for lossy.
     ports = free_ports(1) + free_ports(WORLD, socket.SOCK_DGRAM if kind == "lossy" else
                                        socket.SOCK_STREAM)
+    choice = None if kind is None else (kind, compressor, options)
     return {rank: [torch.from_numpy(array) for array in arrays]
-            for rank, arrays in spawn(worker, ports, kind)}
+            for rank, arrays in spawn(worker, ports, choice)}
 
 
 @pytest.fixture(scope="module")

@@ -4,11 +4,9 @@ in the metrics a worker exports."""
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
-from test_collectives_hook import WORLD, free_ports, spawn
+from test_collectives_hook import WORLD, free_ports, gradients, spawn
 
 from testbed.collectives import create
 from testbed.collectives.base import AllReduceStats
@@ -16,56 +14,21 @@ from testbed.collectives.compression import wrap
 from testbed.metrics import WorkerMetrics
 
 COMPRESSORS = {
-    None: {},
     "arc_topk": {"density": 1.0, "momentum": 1.0, "block": 16},  # everything: exact
     "int8": {"group_size": 64},
     "int4": {"group_size": 32},
 }
 
 
-def ddp_worker(rank: int, ports: list[int], kind: str | None, results) -> None:
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
-
-    from testbed.collectives.hook import comm_hook
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ports[0]}", rank=rank,
-                            world_size=WORLD)
-    try:
-        torch.manual_seed(0)
-        net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
-        model = DistributedDataParallel(net, bucket_cap_mb=0.005)  # several buckets
-        collective = None
-        if kind is not None:
-            ring = create("ring", rank, WORLD, timeout=30,
-                          addresses=[("127.0.0.1", port) for port in ports[1:]])
-            collective = wrap(ring, kind, **COMPRESSORS[kind])
-            model.register_comm_hook(state=None, hook=comm_hook(collective))
-        data = torch.randn(16, 32, generator=torch.Generator().manual_seed(rank))
-        model(data).pow(2).mean().backward()
-        results.put((rank, [p.grad.numpy().copy() for p in model.parameters()]))
-        if collective is not None:
-            collective.close()
-    finally:
-        dist.destroy_process_group()
-
-
-def ddp_gradients(kind: str | None) -> dict[int, list[torch.Tensor]]:
-    ports = free_ports(1) + free_ports(WORLD, socket.SOCK_STREAM)
-    return {rank: [torch.from_numpy(array) for array in arrays]
-            for rank, arrays in spawn(ddp_worker, ports, kind)}
-
-
 @pytest.fixture(scope="module")
 def plain() -> dict[int, list[torch.Tensor]]:
-    return ddp_gradients(None)
+    return gradients(None)
 
 
 @pytest.mark.parametrize(("kind", "tolerance"), [("arc_topk", 1e-5), ("int8", 0.02),
                                                  ("int4", 0.2)])
 def test_a_compressed_ring_works_as_a_ddp_hook(kind, tolerance, plain):
-    hooked = ddp_gradients(kind)
+    hooked = gradients("ring", kind, **COMPRESSORS[kind])
     for rank in range(WORLD):
         for ours, theirs in zip(hooked[rank], plain[rank], strict=True):
             error = torch.linalg.vector_norm(ours - theirs) / torch.linalg.vector_norm(theirs)
