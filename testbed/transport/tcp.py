@@ -278,8 +278,7 @@ class Stream:
 class _Greeting:
     """A connection accepted whose hello has not been read yet."""
 
-    stream: Stream
-    source: tuple[str, int]
+    stream: Stream  # its address is the caller's
     since: float
 
     def hear(self, rank: int, expect: Collection[int] | None, timeout: float) -> str | None:
@@ -300,7 +299,7 @@ class _Greeting:
         else:
             self.stream.peer = sender
             return None
-        return f"{self.source[0]}:{self.source[1]}: {problem}"
+        return f"{self.stream.address[0]}:{self.stream.address[1]}: {problem}"
 
 
 class Listener:
@@ -361,7 +360,7 @@ class Listener:
                 greeting.stream.close()
                 turned_away.append(problem)
         waited_for = f"ranks {sorted(expect)}" if expect is not None else "a peer"
-        silent = [f"{g.source[0]}:{g.source[1]}" for g in self._greeting]
+        silent = [f"{g.stream.address[0]}:{g.stream.address[1]}" for g in self._greeting]
         extra = f"; turned away: {'; '.join(turned_away)}" if turned_away else ""
         extra += f"; connected, no hello yet: {', '.join(silent)}" if silent else ""
         raise TransportTimeout(
@@ -376,7 +375,7 @@ class Listener:
             return
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         stream = Stream(sock, source[:2], rank=rank, peer=UNKNOWN_PEER, run_id=run_id)
-        self._greeting.append(_Greeting(stream, source[:2], time.monotonic()))
+        self._greeting.append(_Greeting(stream, time.monotonic()))
 
     def _drop_silent(self, turned_away: list[str]) -> None:
         """Close the connections that said nothing for HELLO_TIMEOUT."""
@@ -384,8 +383,8 @@ class Listener:
         for greeting in [g for g in self._greeting if now - g.since > HELLO_TIMEOUT]:
             self._greeting.remove(greeting)
             greeting.stream.close()
-            turned_away.append(f"{greeting.source[0]}:{greeting.source[1]}: no hello within "
-                               f"{HELLO_TIMEOUT:g} s")
+            host, port = greeting.stream.address
+            turned_away.append(f"{host}:{port}: no hello within {HELLO_TIMEOUT:g} s")
 
     def shutdown(self) -> None:
         """Wake a thread blocked in `accept` (it fails with OSError). Unlike connecting to
