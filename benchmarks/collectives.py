@@ -455,25 +455,37 @@ def _tail(path: Path, lines: int = 3) -> str:
 # -- the plan -------------------------------------------------------------------------------
 
 
-def plan(quick: bool, kinds: Sequence[str] = KINDS) -> list[tuple[float | None, float,
-                                                                   list[Cell]]]:
+def plan(quick: bool, kinds: Sequence[str] = KINDS, sizes: Sequence[str] | None = None,
+         rates: Sequence[str] | None = None, losses: Sequence[float] | None = None,
+         ) -> list[tuple[float | None, float, list[Cell]]]:
     """(rate, loss, cells) per lab, in the order they run: smaller before larger, so a
-    collective that timed out need not be tried where it can only be slower."""
+    collective that timed out need not be tried where it can only be slower. `sizes`, `rates`
+    (names, "unshaped" among them) and `losses` keep only the cells they name."""
     groups: list[tuple[float | None, float, list[Cell]]] = []
     if quick:
-        sizes = [SIZES["1M"], SIZES["10M"]]
-        groups.append((None, 0.0, [Cell(k, n, None, 0.0, True) for n in sizes for k in kinds]))
+        numels = [SIZES["1M"], SIZES["10M"]]
+        groups.append((None, 0.0, [Cell(k, n, None, 0.0, True) for n in numels for k in kinds]))
         for loss in (0.0, 0.10):
             groups.append((100e6, loss, [Cell(k, n, 100e6, loss, True)
-                                         for n in sizes for k in kinds]))
-        return groups
-    groups.append((None, 0.0, [Cell(k, n, None, 0.0) for n in SIZES.values() for k in kinds]))
-    for rate in RATES.values():
-        for loss in LOSSES:
-            # 100M (48 s per call at 100 Mbit/s) only at 0% and 10%: the budget's share.
-            sizes = [n for n in SIZES.values() if n < SIZES["100M"] or loss in (0.0, 0.10)]
-            groups.append((rate, loss, [Cell(k, n, rate, loss) for n in sizes for k in kinds]))
-    return groups
+                                         for n in numels for k in kinds]))
+    else:
+        groups.append((None, 0.0, [Cell(k, n, None, 0.0) for n in SIZES.values()
+                                   for k in kinds]))
+        for rate in RATES.values():
+            for loss in LOSSES:
+                # 100M (48 s per call at 100 Mbit/s) only at 0% and 10%: the budget's share.
+                numels = [n for n in SIZES.values() if n < SIZES["100M"] or loss in (0.0, 0.10)]
+                groups.append((rate, loss, [Cell(k, n, rate, loss) for n in numels
+                                            for k in kinds]))
+    kept = []
+    for rate, loss, cells in groups:
+        if ((rates is not None and rate_name(rate) not in rates)
+                or (losses is not None and not any(math.isclose(loss, x) for x in losses))):
+            continue
+        cells = [c for c in cells if sizes is None or size_name(c.numel) in sizes]
+        if cells:
+            kept.append((rate, loss, cells))
+    return kept
 
 
 def hopeless(cell: Cell, outcomes: list[Outcome]) -> Outcome | None:
@@ -777,6 +789,13 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--kinds", default=",".join(KINDS),
                         help=f"comma-separated collectives to run (default: {','.join(KINDS)})")
+    parser.add_argument("--sizes", help=f"comma-separated, of {', '.join(SIZES)} (default: all)")
+    parser.add_argument("--rates", help="comma-separated, of " + ", ".join(
+        [*(name.replace(" ", "") for name in RATES), "unshaped"]) + " (default: all)")
+    parser.add_argument("--losses", help="comma-separated loss percentages, of "
+                        + ",".join(f"{x * 100:g}" for x in LOSSES) + " (default: all)")
+    parser.add_argument("--logs", type=Path,
+                        help="keep every worker's output (one JSON line per call) here")
     if len(sys.argv) > 2 and sys.argv[1] == "worker":
         worker(json.loads(sys.argv[2]))
         return
@@ -785,6 +804,12 @@ def main() -> None:
     unknown = sorted(set(kinds) - set(KINDS))
     if unknown or not kinds:
         parser.error(f"--kinds: expected some of {', '.join(KINDS)}, got {args.kinds!r}")
+    sizes = _choices(parser, "--sizes", args.sizes, list(SIZES))
+    rate_names = {name.replace(" ", ""): name for name in RATES} | {"unshaped": "unshaped"}
+    rates = _choices(parser, "--rates", args.rates, list(rate_names))
+    rates = None if rates is None else [rate_names[r] for r in rates]
+    percents = _choices(parser, "--losses", args.losses, [f"{x * 100:g}" for x in LOSSES])
+    losses = None if percents is None else [float(p) / 100 for p in percents]
     if os.geteuid() != 0:
         raise SystemExit("needs root: network namespaces and shaping")
     from netem.lab import Lab
@@ -796,13 +821,16 @@ def main() -> None:
     command = " ".join([".venv/bin/python", "benchmarks/collectives.py", *sys.argv[1:]])
     started_at = datetime.datetime.now(datetime.UTC)
     started = time.monotonic()
-    groups = plan(args.quick, kinds)
+    groups = plan(args.quick, kinds, sizes, rates, losses)
+    if not groups:
+        parser.error("no cell left to run: --sizes, --rates and --losses exclude them all")
     total = sum(len(cells) for _, _, cells in groups)
     outcomes: list[Outcome] = []
     port = 30000
     try:
         with tempfile.TemporaryDirectory(prefix="tb-collectives-") as tmp:
-            logs = Path(tmp)
+            logs = args.logs or Path(tmp)
+            logs.mkdir(parents=True, exist_ok=True)
             for rate, loss, cells in groups:
                 with Lab(WORLD, mtu=MTU) as lab:
                     shape(lab, rate, loss)
@@ -832,6 +860,18 @@ def main() -> None:
     for ok, line in targets(outcomes):
         print(f"{'PASS' if ok else 'FAIL' if ok is False else 'info'}: {line}", file=sys.stderr)
     print(f"wrote {args.out}", file=sys.stderr)
+
+
+def _choices(parser: argparse.ArgumentParser, flag: str, value: str | None,
+             allowed: list[str]) -> list[str] | None:
+    """A comma-separated flag's values, each one of `allowed`; None when not given."""
+    if value is None:
+        return None
+    chosen = [v.strip() for v in value.split(",") if v.strip()]
+    unknown = [v for v in chosen if v not in allowed]
+    if unknown or not chosen:
+        parser.error(f"{flag}: expected some of {', '.join(allowed)}, got {value!r}")
+    return chosen
 
 
 if __name__ == "__main__":

@@ -61,6 +61,7 @@ class Cell:
     kind: str  # one of KINDS but dropcompute, or sync | dropcompute
     loss: float = 0.0
     median: str = STRAGGLER_MEDIAN  # part 2's straggler
+    seed: int = SEED
 
     @property
     def name(self) -> str:
@@ -85,7 +86,7 @@ class Cell:
                 job["drop_compute"] = DROP_COMPUTE
         if self.loss:
             topology["default"] = {"loss": f"{round(self.loss * 100)}%"}
-        return {"name": f"training-{self.name}", "seed": SEED, "workers": WORLD,
+        return {"name": f"training-{self.name}", "seed": self.seed, "workers": WORLD,
                 "topology": topology, "job": job, "collective": collective,
                 "metrics": {"drift_every": 0}}
 
@@ -242,7 +243,7 @@ def observations(outcomes: list[Outcome]) -> list[str]:
 
 
 def report(outcomes: list[Outcome], command: str, started: datetime.datetime, elapsed: float,
-           steps: int, median: str, note: str = "") -> str:
+           steps: int, median: str, seed: int, note: str = "") -> str:
     cpu = next((line.split(":", 1)[1].strip()
                 for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.machine())
@@ -258,7 +259,7 @@ def report(outcomes: list[Outcome], command: str, started: datetime.datetime, el
         f"benchmark: {WORLD} workers, each a process in its own network namespace, links "
         "unshaped but for the loss (the host's fallback shaping: nftables random drop on "
         "every receiver, this kernel has no sch_netem). The job is the same in every cell of "
-        f"part 1: `char-lm` (2-layer transformer, context 64, stdlib corpus), seed {SEED}, "
+        f"part 1: `char-lm` (2-layer transformer, context 64, stdlib corpus), seed {seed}, "
         f"batch {JOB['batch']} per worker, Adam lr {JOB['optimizer']['adam']['lr']:g}, "
         f"{steps} steps; `lossy` runs strategy `sharded` (the shard owners apply Adam to "
         "their shard and broadcast parameters, both phases as datagrams) with its default "
@@ -304,14 +305,15 @@ def report(outcomes: list[Outcome], command: str, started: datetime.datetime, el
     ])
 
 
-def plan(kinds: list[str], losses: list[float], median: str) -> list[Cell]:
+def plan(kinds: list[str], losses: list[float], median: str, seed: int = SEED) -> list[Cell]:
     """The cells in the order of `kinds`, each part-1 collective at every loss."""
     cells: list[Cell] = []
     for kind in kinds:
         if kind == "dropcompute":
-            cells += [Cell("sync", median=median), Cell("dropcompute", median=median)]
+            cells += [Cell("sync", median=median, seed=seed),
+                      Cell("dropcompute", median=median, seed=seed)]
         else:
-            cells += [Cell(kind, loss) for loss in losses]
+            cells += [Cell(kind, loss, seed=seed) for loss in losses]
     return cells
 
 
@@ -328,6 +330,9 @@ def main() -> None:
                         help="comma-separated loss percentages for part 1 (default: %(default)s)")
     parser.add_argument("--straggler-median", default=STRAGGLER_MEDIAN,
                         help="median of part 2's lognormal straggler delay (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=SEED,
+                        help="the scenarios' seed: model, data order, stragglers "
+                        "(default: %(default)s)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     kinds = [kind.strip() for kind in args.kinds.split(",") if kind.strip()]
@@ -342,7 +347,7 @@ def main() -> None:
     command = " ".join([".venv/bin/python", "benchmarks/training.py", *sys.argv[1:]])
     started_at = datetime.datetime.now(datetime.UTC)
     started = time.monotonic()
-    cells = plan(kinds, losses, args.straggler_median)
+    cells = plan(kinds, losses, args.straggler_median, args.seed)
     outcomes: list[Outcome] = []
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="tb-training-") as tmp:
@@ -363,9 +368,9 @@ def main() -> None:
                 f"Partial: {number} of {len(cells)} cells so far.")
             args.out.write_text(report(outcomes, command, started_at,
                                        time.monotonic() - started, steps, args.straggler_median,
-                                       note=partial))
+                                       args.seed, note=partial))
     text = report(outcomes, command, started_at, time.monotonic() - started, steps,
-                  args.straggler_median)
+                  args.straggler_median, args.seed)
     print(text)
     print(f"wrote {args.out}", file=sys.stderr)
 

@@ -883,13 +883,16 @@ class DatagramEndpoint:
             self._note_reached(state, key, sender, now)
 
     def _note_reached(self, state: _Open, key: Key, sender: int, now: float) -> None:
-        """If `sender` is past its part of `key` (it said so, or sent a later key's) with none
-        of its chunks here yet, it sent them: from now its stream is waited for as if it had
-        begun, and it has ended."""
-        if (sender in state.owed and sender not in state.first and sender not in state.reached
-                and self._progress.get(sender, NOWHERE) >= (key[1], key[2], key[0], 1)):
-            state.reached[sender] = now
-            state.ended.add(sender)
+        """If `sender` is past its part of `key` (it said so, or sent a later key's), its
+        stream has ended, even if the chunks that would say so (its tail) were lost; what
+        is still in flight is ahead of that word on the same path. With none of its chunks
+        here yet, from now its stream is waited for as if it had begun."""
+        if (sender not in state.owed
+                or self._progress.get(sender, NOWHERE) < (key[1], key[2], key[0], 1)):
+            return
+        state.ended.add(sender)
+        if sender not in state.first:
+            state.reached.setdefault(sender, now)
 
     def announce(self, kind: Kind, step: int, bucket: int, peers: Collection[int]) -> None:
         """Tell `peers` this worker sent its part of (kind, step, bucket) and now waits for

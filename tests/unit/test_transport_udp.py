@@ -30,6 +30,7 @@ from testbed.transport import (
     UNKNOWN_PEER,
     VERSION,
     Codec,
+    DatagramCounters,
     DatagramEndpoint,
     Header,
     Kind,
@@ -265,6 +266,23 @@ def test_a_sender_seen_past_its_stream_is_not_waited_for_as_a_straggler(raw, evi
         assert time.monotonic() - start < WAIT / 2, "waited for a stream that was sent"
         assert got.missing == {(5, 0)} and set(got.reached) == {5}
         assert receiver.counters()[5].datagrams_late == 0  # said, not late
+
+
+def test_a_stream_whose_tail_was_lost_ends_when_its_sender_says_it_is_done(raw):
+    """Chunks 6-9 of 10 (the tail that would say the stream ended) were lost: the sender's
+    word that it sent its part ends the wait on `settle`, not at the stream's limit."""
+    with DatagramEndpoint(1, RUN, LOOPBACK, peers={5: raw.getsockname()}) as receiver:
+        receiver.open(Kind.GRADIENT, 0, 0, {5: 10})
+        send_chunks(raw, receiver, range(6), chunks=10)
+        start = time.monotonic()
+        while receiver.counters().get(5, DatagramCounters()).datagrams_received < 6:
+            assert time.monotonic() - start < WAIT, "the chunks never came"
+            receiver.poll(0.01)
+        raw.sendto(progress(6), receiver.address)  # after the chunks were read
+        got = receiver.collect(Kind.GRADIENT, 0, 0, None, start + WAIT, settle=0.01,
+                               transfer=WAIT, start_by={5: start + WAIT})
+        assert time.monotonic() - start < WAIT / 2, "waited out the limit for a lost tail"
+        assert got.missing == {(5, index) for index in range(6, 10)}
 
 
 def test_a_sender_still_sending_its_stream_is_waited_for(raw):
