@@ -107,6 +107,7 @@ class Outcome:
     wait_seconds: float = math.nan
     wall: float = math.nan  # the run's, start-up included
     coverage: float = math.nan
+    late: float = math.nan  # lossy: datagrams that came after their phase ended, all workers
     drop_rate: float = math.nan
     threshold: float = math.nan
     congestion: str = ""
@@ -133,6 +134,7 @@ def run_cell(cell: Cell, steps: int, timeout: float, workdir: Path) -> Outcome:
         outcome.compute_seconds = float(np.nanmean(run.column("compute_seconds")))
         outcome.wait_seconds = float(np.nanmean(run.column("wait_seconds")))
         outcome.coverage = float(np.nanmean(run.column("coverage")))
+        outcome.late = float(np.nansum(run.column("datagrams_late")))
         outcome.drop_rate = summary.get("drop_rate") or 0.0
         thresholds = run.column("threshold_seconds")
         thresholds = thresholds[np.isfinite(thresholds)]
@@ -175,8 +177,8 @@ def change(o: Outcome, outcomes: list[Outcome]) -> float:
 def loss_table(outcomes: list[Outcome]) -> list[str]:
     rows = [
         "| collective | transport | seed | loss | steps | perplexity | change vs 0% | "
-        "held-out loss | mean step s | compute s | wait s | wall s | coverage | status |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "held-out loss | mean step s | compute s | wait s | wall s | coverage | late | status |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for o in outcomes:
         if o.cell.kind in ("sync", "dropcompute"):
@@ -190,7 +192,8 @@ def loss_table(outcomes: list[Outcome]) -> list[str]:
             f"{o.steps} | {fixed(o.perplexity)}{spread} | "
             f"{'-' if not math.isfinite(delta) else f'{delta:+.2f}%'} | {fixed(o.eval_loss)} | "
             f"{fmt(o.step_seconds)} | {fmt(o.compute_seconds)} | {fmt(o.wait_seconds)} | "
-            f"{fmt(o.wall)} | {fmt(o.coverage)} | {status_text(o)} |")
+            f"{fmt(o.wall)} | {fmt(o.coverage)} | "
+            f"{fmt(o.late) if o.cell.kind.startswith('lossy') else '-'} | {status_text(o)} |")
     return rows
 
 
@@ -294,9 +297,10 @@ def report(outcomes: list[Outcome], command: str, started: datetime.datetime, el
         "hold stale parameters where a broadcast was lost); `change vs 0%` is its change "
         "against the same collective's lossless run; `mean step s` is the workers' mean step "
         "time, split into `compute s` (forward, backward, injected delay) and `wait s` (the "
-        "collective and the update); `wall s` is the whole run, about 12 s of start-up "
+        "collective and the update); `wall s` is the whole run, its start-up "
         "(namespaces, four torch imports, corpus) included; `coverage` is lossy's mean "
-        "fraction of contributions in the result.",
+        "fraction of contributions in the result, `late` its datagrams that came after their "
+        "phase had ended (summed over the workers and steps): the host's doing, not the link's.",
         "",
         "## Part 1: random loss on every link",
         "",
