@@ -18,6 +18,13 @@ FORMAT = 1
 # Figures of `AllReduceStats.extra` that count since the collective's sockets opened, not per
 # step: a run's total is the last value, not the sum.
 CUMULATIVE = frozenset({"tcp_retransmits"})
+# Figures of `AllReduceStats.extra` that describe one step's state (ratios, deadlines, peers
+# left out): a run's figure is their mean, not the sum. Every other figure counts (datagrams,
+# chunks, seconds spent, calls) and sums.
+LEVELS = frozenset({
+    "shard_coverage", "broadcast_received", "deadline_seconds", "broadcast_deadline_seconds",
+    "peers_absent", "compression_ratio", "compression_error", "feedback_residual",
+})
 
 
 class EventError(ValueError):

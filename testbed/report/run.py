@@ -18,6 +18,7 @@ import numpy as np
 
 from testbed.report.events import (
     CUMULATIVE,
+    LEVELS,
     EndEvent,
     EventError,
     FaultEvent,
@@ -215,7 +216,6 @@ def summarize(run: Run, success: bool | None = None, error: str | None = None) -
     dropped = _by_rank(run.column("micro_batches_dropped", 0.0), index, count, "sum")
     with np.errstate(invalid="ignore", divide="ignore"):
         drop_rate = dropped / (computed + dropped)
-    cumulative = sorted(CUMULATIVE)
     extras = sorted({k for s in run.steps for k in s.extra})
     per: dict[str, np.ndarray] = {
         "steps": np.bincount(index, minlength=count).astype(float),
@@ -233,8 +233,8 @@ def summarize(run: Run, success: bool | None = None, error: str | None = None) -
     }
     for name in extras:
         values = run.column(name)
-        per[name] = (_last_by_rank(values, index, count) if name in cumulative
-                     else _by_rank(values, index, count, "sum"))
+        per[name] = (_last_by_rank(values, index, count) if name in CUMULATIVE
+                     else _by_rank(values, index, count, "mean" if name in LEVELS else "sum"))
     evaluation_names = sorted({k for s in run.steps for k in s.evaluation})
     for name in evaluation_names:
         per[f"final_eval_{name}"] = _last_by_rank(run.column(f"eval_{name}"), index, count)
@@ -286,7 +286,7 @@ def summarize(run: Run, success: bool | None = None, error: str | None = None) -
         "final_drift": overall("final_drift", "mean"),
     }
     for name in extras:
-        summary[name] = overall(name, "sum")
+        summary[name] = overall(name, "mean" if name in LEVELS else "sum")
     for name in evaluation_names:
         summary[f"final_eval_{name}"] = overall(f"final_eval_{name}", "mean")
     summary["links"] = [

@@ -43,7 +43,7 @@ def record(rank: int, step: int, loss_rate: float, local: bool = False) -> StepR
         "lossy", step, seconds=0.01 * (rank + 1), bytes_sent=1000 + step,
         bytes_received=900 + rank, coverage=1 - loss_rate, peers_missing=(2,) if step == 5 else (),
         extra={"datagrams_lost": float(step % 3 + rank), "tcp_retransmits": float(step),
-               "rounds": 2.0, "loss": 99.0},
+               "rounds": 2.0, "shard_coverage": 0.9 - 0.1 * rank, "loss": 99.0},
     )
     return StepRecord(
         rank=rank, step=step, loss=loss_of(rank, step, loss_rate),
@@ -119,6 +119,7 @@ def test_a_run_reads_back_field_for_field(run_dir: Path):
     assert step.bytes_sent == 1005 and step.bytes_received == 901
     assert step.collective == "lossy" and step.peers_missing == (2,)
     assert step.extra == {"datagrams_lost": 3.0, "tcp_retransmits": 5.0, "rounds": 2.0,
+                          "shard_coverage": pytest.approx(0.8),
                           "stats_loss": 99.0}  # `loss` of the stats must not shadow the step's
     assert step.drift == pytest.approx(0.01 * 5 * 2 * 1.5)
     local = run.steps[3]
@@ -150,6 +151,9 @@ def test_the_summary_holds_the_figures_computed_by_hand(run_dir: Path):
     lost = sum(step % 3 + rank for rank in range(WORKERS) for step in range(STEPS) if step != 3)
     assert summary["datagrams_lost"] == lost
     assert summary["tcp_retransmits"] == WORKERS * (STEPS - 1)
+    # shard_coverage describes one step: a worker's figure is its mean, the run's their mean.
+    assert [w["shard_coverage"] for w in summary["per_worker"]] == pytest.approx([0.9, 0.8, 0.7])
+    assert summary["shard_coverage"] == pytest.approx(0.8)
     assert summary["bytes_sent"] == WORKERS * sum(1000 + s for s in range(STEPS) if s != 3)
     assert summary["mean_step_seconds"] == pytest.approx(0.06)
     assert summary["wall_seconds"] == pytest.approx(STEPS * 0.1)
