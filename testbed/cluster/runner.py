@@ -64,7 +64,7 @@ class WorkerState:
     loss: float = math.nan
     step_seconds: float = math.nan
     coverage: float = math.nan
-    datagrams_lost: float = 0.0
+    datagrams_lost: float = 0.0  # since the run began (the others: its last step's)
     drift: float | None = None
     exit_code: int | None = None
     evaluation: dict[str, float] = field(default_factory=dict)
@@ -332,10 +332,13 @@ class ClusterRun:
             return
         state.status = "running"
         state.step = int(report["step"])
-        for name in ("loss", "step_seconds", "coverage", "datagrams_lost"):
+        for name in ("loss", "step_seconds", "coverage"):
             value = report.get(name)
             if isinstance(value, int | float):
                 setattr(state, name, float(value))
+        lost = report.get("datagrams_lost")
+        if isinstance(lost, int | float):
+            state.datagrams_lost += float(lost)
         if report.get("drift") is not None:
             state.drift = float(report["drift"])
 
