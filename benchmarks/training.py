@@ -5,7 +5,8 @@ Part 1: the same job (char-lm, data, Adam, steps) at 0, 10, 20 and 30% random lo
 link, over `lossy` (strategy sharded: the shard owners apply the optimizer; once per seed, as
 one run's change is noisy) and over `gloo` (strategy gradient) with TCP bbr and, last, TCP
 cubic. The figure: the final held-out
-perplexity's change against the same collective's lossless run, and wall and step time.
+perplexity's change against the same collective's lossless run and against gloo's lossless run
+with the same seed (exact, deterministic: the cleaner reference), and wall and step time.
 Part 2: the same model, no loss, gloo, every worker with a lognormal straggler delay and four
 micro-batches, synchronous against DropCompute (threshold auto, 10% target drop rate): mean
 step time, drop rate, final loss. Every cell is a `ClusterRun` of a scenario written here (four
@@ -38,7 +39,8 @@ from scenario_runs import fmt, run_scenario  # noqa: E402  (beside this script)
 
 RESULTS = REPO / "benchmarks" / "results" / "training.md"
 WORLD = 4
-SEEDS = (11, 12, 13)  # lossy's cells run once per seed; gloo's and part 2's with the first
+SEEDS = (11, 12, 13, 14, 15, 16)  # lossy's cells and EXACT's lossless one run once per seed;
+# the others with the first
 STEPS = 150
 QUICK_STEPS = 12
 LOSSES = (0.0, 0.10, 0.20, 0.30)
@@ -54,6 +56,9 @@ TIMEOUT = 360.0  # seconds for one run, start-up included
 QUICK_TIMEOUT = 120.0
 COLLECTIVE = {"lossy": "lossy (sharded)", "lossy-gradient": "lossy (gradient)"}
 AIM = 0.8  # percent: the paper's perplexity change at 10% loss (LLaMA2-7B)
+# Exact data-parallel training, and deterministic: its lossless run with a seed is the reference
+# for lossy's runs with that seed (lossy's own lossless result varies with arrival order).
+EXACT = "gloo-bbr"
 
 
 @dataclass(frozen=True)
@@ -154,6 +159,10 @@ def fixed(value: float) -> str:
     return "-" if not math.isfinite(value) else f"{value:.3f}"
 
 
+def percent(change: float) -> str:
+    return "-" if not math.isfinite(change) else f"{round(change, 2) + 0.0:+.2f}%"
+
+
 def status_text(o: Outcome) -> str:
     if o.status == "ok":
         return "ok"
@@ -165,10 +174,10 @@ def baseline(outcomes: list[Outcome], kind: str, seed: int) -> Outcome | None:
                  and o.cell.loss == 0 and o.status == "ok"), None)
 
 
-def change(o: Outcome, outcomes: list[Outcome]) -> float:
-    """Percent change of the held-out perplexity against the same collective's 0% run with
-    the same seed."""
-    clean = baseline(outcomes, o.cell.kind, o.cell.seed)
+def change(o: Outcome, outcomes: list[Outcome], against: str | None = None) -> float:
+    """Percent change of the held-out perplexity against the 0% run with the same seed of
+    collective `against` (default: the same collective)."""
+    clean = baseline(outcomes, against or o.cell.kind, o.cell.seed)
     if clean is None or not math.isfinite(o.perplexity):
         return math.nan
     return 100 * (o.perplexity / clean.perplexity - 1)
@@ -177,20 +186,21 @@ def change(o: Outcome, outcomes: list[Outcome]) -> float:
 def loss_table(outcomes: list[Outcome]) -> list[str]:
     rows = [
         "| collective | transport | seed | loss | steps | perplexity | change vs 0% | "
-        "held-out loss | mean step s | compute s | wait s | wall s | coverage | late | status |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "vs exact 0% | held-out loss | mean step s | compute s | wait s | wall s | coverage | "
+        "late | status |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for o in outcomes:
         if o.cell.kind in ("sync", "dropcompute"):
             continue
         spread = (f" (±{o.perplexity_spread / 2:.3f})" if o.perplexity_spread > 5e-4 else "")
-        delta = change(o, outcomes)
+        delta, exact = change(o, outcomes), change(o, outcomes, EXACT)
         transport = "UDP" if o.cell.kind.startswith("lossy") else f"TCP {o.congestion or '?'}"
         rows.append(
             f"| {COLLECTIVE.get(o.cell.kind, 'gloo')} | {transport} | {o.cell.seed} | "
             f"{o.cell.loss:.0%} | "
             f"{o.steps} | {fixed(o.perplexity)}{spread} | "
-            f"{'-' if not math.isfinite(delta) else f'{delta:+.2f}%'} | {fixed(o.eval_loss)} | "
+            f"{percent(delta)} | {percent(exact)} | {fixed(o.eval_loss)} | "
             f"{fmt(o.step_seconds)} | {fmt(o.compute_seconds)} | {fmt(o.wait_seconds)} | "
             f"{fmt(o.wall)} | {fmt(o.coverage)} | "
             f"{fmt(o.late) if o.cell.kind.startswith('lossy') else '-'} | {status_text(o)} |")
@@ -214,8 +224,18 @@ def drop_table(outcomes: list[Outcome]) -> list[str]:
     return rows
 
 
+def standard_error(values: list[float]) -> str:
+    import numpy as np
+
+    if len(values) < 2:
+        return ""
+    return f" ± {float(np.std(values, ddof=1)) / math.sqrt(len(values)):.2f}"
+
+
 def observations(outcomes: list[Outcome]) -> list[str]:
     """Sentences drawn from this run's numbers only."""
+    import numpy as np
+
     said: list[str] = []
     for kind in KINDS[:-1]:
         for seed in sorted({o.cell.seed for o in outcomes if o.cell.kind == kind}):
@@ -234,20 +254,25 @@ def observations(outcomes: list[Outcome]) -> list[str]:
                     parts.append(f"{status_text(o)} at {o.cell.loss:.0%}")
             said.append(f"{kind}, seed {seed} (0%: perplexity {clean.perplexity:.3f}, step "
                         f"{clean.step_seconds:.3f} s): " + "; ".join(parts) + ".")
-    changes: dict[float, list[float]] = {}  # lossy's, per loss, over the seeds
-    for o in outcomes:
-        delta = change(o, outcomes)
-        if o.cell.kind == "lossy" and o.cell.loss > 0 and math.isfinite(delta):
-            changes.setdefault(o.cell.loss, []).append(delta)
-    if changes:
-        means = {loss: sum(d) / len(d) for loss, d in sorted(changes.items())}
-        said.append("lossy's perplexity change, mean over its seeds: " + ", ".join(
-            f"{mean:+.2f}% at {loss:.0%} ({len(changes[loss])} seeds, "
-            f"{min(changes[loss]):+.2f}% to {max(changes[loss]):+.2f}%)"
-            for loss, mean in means.items()) + ".")
+    for against, words in ((None, "against its own lossless run"),
+                           (EXACT, f"against {EXACT}'s exact lossless run")):
+        changes: dict[float, list[float]] = {}  # lossy's, per loss, over the seeds
+        for o in outcomes:
+            delta = change(o, outcomes, against)
+            if o.cell.kind == "lossy" and o.cell.loss > 0 and math.isfinite(delta):
+                changes.setdefault(o.cell.loss, []).append(delta)
+        if not changes:
+            continue
+        means = {loss: float(np.mean(d)) for loss, d in sorted(changes.items())}
+        said.append(f"lossy's perplexity change {words} of the same seed, mean over seeds "
+                    "(± standard error where several): " + ", ".join(
+                        f"{mean:+.2f}%{standard_error(changes[loss])} at {loss:.0%} "
+                        f"({len(changes[loss])} seeds, {min(changes[loss]):+.2f}% to "
+                        f"{max(changes[loss]):+.2f}%)" for loss, mean in means.items()) + ".")
         if 0.1 in means:
-            said.append(f"At 10% loss that is {'within' if abs(means[0.1]) <= AIM else 'outside'}"
-                        f" the paper's {AIM}%.")
+            said.append(f"At 10% loss that mean is "
+                        f"{'within' if abs(means[0.1]) <= AIM else 'outside'} the paper's "
+                        f"{AIM}%.")
     sync = next((o for o in outcomes if o.cell.kind == "sync" and o.status == "ok"), None)
     drop = next((o for o in outcomes if o.cell.kind == "dropcompute" and o.status == "ok"), None)
     if sync and drop:
@@ -276,10 +301,11 @@ def report(outcomes: list[Outcome], command: str, started: datetime.datetime, el
         "unshaped but for the loss (the host's fallback shaping: nftables random drop on "
         "every receiver, this kernel has no sch_netem). The job is the same in every cell of "
         f"part 1: `char-lm` (2-layer transformer, context 64, stdlib corpus), "
-        f"seed {', '.join(str(seed) for seed in seeds)} for lossy's cells (a seed sets the "
-        "model's initial weights and the data order; each seed's lossy runs compare with its "
-        f"own lossless run), {seeds[0]} for gloo's and part 2's (gloo is exact: its result "
-        f"does not depend on the loss), batch {JOB['batch']} per worker, "
+        f"seed {', '.join(str(seed) for seed in seeds)} for lossy's cells and {EXACT}'s "
+        "lossless one (a seed sets the model's initial weights and the data order; each "
+        "seed's lossy runs compare with its own lossless run and with the exact one), "
+        f"{seeds[0]} for gloo's lossy cells and part 2's (gloo is exact: its result does not "
+        f"depend on the loss), batch {JOB['batch']} per worker, "
         f"Adam lr {JOB['optimizer']['adam']['lr']:g}, "
         f"{steps} steps; `lossy` runs strategy `sharded` (the shard owners apply Adam to "
         "their shard and broadcast parameters, both phases as datagrams) with its default "
@@ -295,7 +321,10 @@ def report(outcomes: list[Outcome], command: str, started: datetime.datetime, el
         f"last step ({JOB['eval_samples']} held-out windows of 64 characters), the mean over "
         "the four workers (± half their spread where the copies differ: lossy workers can "
         "hold stale parameters where a broadcast was lost); `change vs 0%` is its change "
-        "against the same collective's lossless run; `mean step s` is the workers' mean step "
+        "against the same collective's lossless run with the same seed, `vs exact 0%` "
+        f"against {EXACT}'s (exact data-parallel training, deterministic; lossy's own "
+        "lossless result varies from run to run as its owners sum in arrival order); "
+        "`mean step s` is the workers' mean step "
         "time, split into `compute s` (forward, backward, injected delay) and `wait s` (the "
         "collective and the update); `wall s` is the whole run, its start-up "
         "(namespaces, four torch imports, corpus) included; `coverage` is lossy's mean "
@@ -329,8 +358,9 @@ def report(outcomes: list[Outcome], command: str, started: datetime.datetime, el
 def plan(kinds: list[str], losses: list[float], median: str,
          seeds: Sequence[int] = SEEDS) -> list[Cell]:
     """The cells in the order of `kinds`, each part-1 collective at every loss: lossy's once
-    per seed (a seed's lossless run next to its lossy ones), gloo's and part 2's with the
-    first seed (gloo is exact: its result does not depend on the loss)."""
+    per seed (a seed's lossless run next to its lossy ones), EXACT's lossless run once per
+    seed (the exact reference), the rest of gloo's and part 2's with the first seed (gloo is
+    exact: its result does not depend on the loss)."""
     cells: list[Cell] = []
     for kind in kinds:
         if kind == "dropcompute":
@@ -340,6 +370,9 @@ def plan(kinds: list[str], losses: list[float], median: str,
             cells += [Cell(kind, loss, seed=seed)
                       for seed in (seeds if kind.startswith("lossy") else seeds[:1])
                       for loss in losses]
+            if kind == EXACT and 0.0 in losses:  # after the first seed's lossless run
+                at = len(cells) - len(losses) + losses.index(0.0) + 1
+                cells[at:at] = [Cell(kind, 0.0, seed=seed) for seed in seeds[1:]]
     return cells
 
 
@@ -358,7 +391,8 @@ def main() -> None:
                         help="median of part 2's lognormal straggler delay (default: %(default)s)")
     parser.add_argument("--seeds", default=",".join(str(seed) for seed in SEEDS),
                         help="comma-separated scenario seeds (model, data order, stragglers): "
-                        "lossy's cells run once per seed, the others with the first "
+                        f"lossy's cells and {EXACT}'s lossless one run once per seed, the "
+                        "others with the first "
                         "(default: %(default)s)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
