@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import math
 import os
 import platform
@@ -44,8 +45,10 @@ SEEDS = (11, 12, 13, 14, 15, 16)  # lossy's cells and EXACT's lossless one run o
 STEPS = 150
 QUICK_STEPS = 12
 LOSSES = (0.0, 0.10, 0.20, 0.30)
-# Part-1 collectives ("lossy-gradient": lossy under strategy gradient, as gloo runs) and part 2
-KINDS = ("lossy", "lossy-gradient", "gloo-bbr", "gloo-cubic", "dropcompute")
+# Part-1 collectives ("lossy-gradient": lossy under strategy gradient, as gloo runs;
+# "lossy-resync": sharded with the broadcast over TCP every step, so no copy is ever stale and
+# only the gather loses contributions) and part 2
+KINDS = ("lossy", "lossy-gradient", "lossy-resync", "gloo-bbr", "gloo-cubic", "dropcompute")
 DEFAULT_KINDS = ("lossy", "gloo-bbr", "dropcompute", "gloo-cubic")
 JOB = {"model": "char-lm", "batch": 32, "optimizer": {"adam": {"lr": 3.0e-3}},
        "eval_samples": 1024}
@@ -54,7 +57,8 @@ MICRO_BATCHES = 4
 DROP_COMPUTE = {"threshold": "auto", "target_drop_rate": "10%"}
 TIMEOUT = 360.0  # seconds for one run, start-up included
 QUICK_TIMEOUT = 120.0
-COLLECTIVE = {"lossy": "lossy (sharded)", "lossy-gradient": "lossy (gradient)"}
+COLLECTIVE = {"lossy": "lossy (sharded)", "lossy-gradient": "lossy (gradient)",
+              "lossy-resync": "lossy (sharded, resync every step)"}
 AIM = 0.8  # percent: the paper's perplexity change at 10% loss (LLaMA2-7B)
 # Exact data-parallel training, and deterministic: its lossless run with a seed is the reference
 # for lossy's runs with that seed (lossy's own lossless result varies with arrival order).
@@ -84,6 +88,8 @@ class Cell:
         if self.kind.startswith("lossy"):
             job["strategy"] = "gradient" if self.kind == "lossy-gradient" else "sharded"
             collective = {"kind": "lossy"}
+            if self.kind == "lossy-resync":
+                collective["resync_every"] = 1
         elif self.kind.startswith("gloo"):
             topology["congestion"] = self.kind.split("-")[1]
         else:
@@ -254,17 +260,19 @@ def observations(outcomes: list[Outcome]) -> list[str]:
                     parts.append(f"{status_text(o)} at {o.cell.loss:.0%}")
             said.append(f"{kind}, seed {seed} (0%: perplexity {clean.perplexity:.3f}, step "
                         f"{clean.step_seconds:.3f} s): " + "; ".join(parts) + ".")
-    for against, words in ((None, "against its own lossless run"),
-                           (EXACT, f"against {EXACT}'s exact lossless run")):
-        changes: dict[float, list[float]] = {}  # lossy's, per loss, over the seeds
+    lossy_kinds = [kind for kind in KINDS if kind.startswith("lossy")]
+    for kind, (against, words) in itertools.product(lossy_kinds, (
+            (None, "against its own lossless run"),
+            (EXACT, f"against {EXACT}'s exact lossless run"))):
+        changes: dict[float, list[float]] = {}  # per loss, over the seeds
         for o in outcomes:
             delta = change(o, outcomes, against)
-            if o.cell.kind == "lossy" and o.cell.loss > 0 and math.isfinite(delta):
+            if o.cell.kind == kind and o.cell.loss > 0 and math.isfinite(delta):
                 changes.setdefault(o.cell.loss, []).append(delta)
         if not changes:
             continue
         means = {loss: float(np.mean(d)) for loss, d in sorted(changes.items())}
-        said.append(f"lossy's perplexity change {words} of the same seed, mean over seeds "
+        said.append(f"{kind}'s perplexity change {words} of the same seed, mean over seeds "
                     "(± standard error where several): " + ", ".join(
                         f"{mean:+.2f}%{standard_error(changes[loss])} at {loss:.0%} "
                         f"({len(changes[loss])} seeds, {min(changes[loss]):+.2f}% to "
@@ -310,7 +318,9 @@ def report(outcomes: list[Outcome], command: str, started: datetime.datetime, el
         f"{steps} steps; `lossy` runs strategy `sharded` (the shard owners apply Adam to "
         "their shard and broadcast parameters, both phases as datagrams) with its default "
         "options (`lossy (gradient)`, where run: an all-reduce of the gradients as datagrams, "
-        "a missing chunk filled with the worker's own, every worker applying Adam); `gloo` "
+        "a missing chunk filled with the worker's own, every worker applying Adam; `lossy "
+        "(sharded, resync every step)`, where run: the broadcast over TCP every step, so no "
+        "copy is stale and only the gather loses contributions); `gloo` "
         "runs strategy `gradient` (all-reduce of the gradients over TCP) with "
         "the namespaces' TCP congestion control set to the one in the transport column (as "
         "the run's cluster event recorded it). Each run "
