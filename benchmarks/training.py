@@ -4,9 +4,9 @@ DropCompute under lognormal stragglers.
 Part 1: the same job (char-lm, data, Adam, steps) at 0, 10, 20 and 30% random loss on every
 link, over `lossy` (strategy sharded: the shard owners apply the optimizer; once per seed, as
 one run's change is noisy) and over `gloo` (strategy gradient) with TCP bbr and, last, TCP
-cubic. The figure: the final held-out
-perplexity's change against the same collective's lossless run and against gloo's lossless run
-with the same seed (exact, deterministic: the cleaner reference), and wall and step time.
+cubic. The figure: the final held-out perplexity's change against the same collective's
+lossless run and against gloo's lossless run with the same seed (exact, deterministic: the
+cleaner reference), and wall and step time.
 Part 2: the same model, no loss, gloo, every worker with a lognormal straggler delay and four
 micro-batches, synchronous against DropCompute (threshold auto, 10% target drop rate): mean
 step time, drop rate, final loss. Every cell is a `ClusterRun` of a scenario written here (four
@@ -25,6 +25,7 @@ import itertools
 import math
 import os
 import platform
+import statistics
 import sys
 import tempfile
 import time
@@ -231,17 +232,13 @@ def drop_table(outcomes: list[Outcome]) -> list[str]:
 
 
 def standard_error(values: list[float]) -> str:
-    import numpy as np
-
     if len(values) < 2:
         return ""
-    return f" ± {float(np.std(values, ddof=1)) / math.sqrt(len(values)):.2f}"
+    return f" ± {statistics.stdev(values) / math.sqrt(len(values)):.2f}"
 
 
 def observations(outcomes: list[Outcome]) -> list[str]:
     """Sentences drawn from this run's numbers only."""
-    import numpy as np
-
     said: list[str] = []
     for kind in KINDS[:-1]:
         for seed in sorted({o.cell.seed for o in outcomes if o.cell.kind == kind}):
@@ -271,7 +268,7 @@ def observations(outcomes: list[Outcome]) -> list[str]:
                 changes.setdefault(o.cell.loss, []).append(delta)
         if not changes:
             continue
-        means = {loss: float(np.mean(d)) for loss, d in sorted(changes.items())}
+        means = {loss: statistics.fmean(d) for loss, d in sorted(changes.items())}
         said.append(f"{kind}'s perplexity change {words} of the same seed, mean over seeds "
                     "(± standard error where several): " + ", ".join(
                         f"{mean:+.2f}%{standard_error(changes[loss])} at {loss:.0%} "
@@ -376,13 +373,11 @@ def plan(kinds: list[str], losses: list[float], median: str,
         if kind == "dropcompute":
             cells += [Cell("sync", median=median, seed=seeds[0]),
                       Cell("dropcompute", median=median, seed=seeds[0])]
+        elif kind.startswith("lossy"):
+            cells += [Cell(kind, loss, seed=seed) for seed in seeds for loss in losses]
         else:
-            cells += [Cell(kind, loss, seed=seed)
-                      for seed in (seeds if kind.startswith("lossy") else seeds[:1])
-                      for loss in losses]
-            if kind == EXACT and 0.0 in losses:  # after the first seed's lossless run
-                at = len(cells) - len(losses) + losses.index(0.0) + 1
-                cells[at:at] = [Cell(kind, 0.0, seed=seed) for seed in seeds[1:]]
+            cells += [Cell(kind, loss, seed=seed) for loss in losses
+                      for seed in (seeds if kind == EXACT and loss == 0 else seeds[:1])]
     return cells
 
 
