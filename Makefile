@@ -1,6 +1,6 @@
 # The two commands a new user needs: `make demo` (the main job: the quickstart scenario end to
 # end) and `make test` (every tier).
-.PHONY: bootstrap demo measure test lint clean
+.PHONY: bootstrap demo measure test soak lint clean
 VENV ?= .venv
 
 bootstrap:
@@ -17,6 +17,11 @@ test: bootstrap
 	$(VENV)/bin/python -m pytest -m "not netem_kernel and not compose" tests
 	$(VENV)/bin/python -m pytest -m compose tests
 	$(VENV)/bin/testbed sandbox pytest -m netem_kernel tests
+
+# Every tier several times while a busy loop keeps one core busy; prints failures per test.
+# SOAK="--tiers host --runs 2" narrows it (scripts/soak.py --help).
+soak: bootstrap
+	$(VENV)/bin/python scripts/soak.py $(SOAK)
 
 lint: bootstrap
 	$(VENV)/bin/ruff check netem testbed tests benchmarks

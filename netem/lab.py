@@ -1,7 +1,10 @@
 """A throwaway network of hosts on one machine: one namespace per host, all on one bridge.
 
 The bridge lives in a namespace of its own (the "switch"), so a lab touches nothing in the
-root namespace and removing its namespaces removes every veth with them. Every name starts with
+root namespace and removing its namespaces removes every veth with them. The bridge holds the
+subnet's last address (`switch_address`): services of the lab's own (a run's coordination
+store, say) listen there, reachable from every host over the bridge without being one of the
+hosts, so shaping the links between hosts can leave their traffic alone. Every name starts with
 the lab's prefix, which is how `clean` finds what a killed run left behind.
 
 Every veth runs with segmentation and aggregation offloads off (netem.offload): a sender's
@@ -60,6 +63,11 @@ class Lab:
     def switch(self) -> str:
         return f"{self.prefix}-sw"
 
+    @property
+    def switch_address(self) -> str:
+        """The bridge's own address in the switch namespace: the subnet's last usable one."""
+        return str(ipaddress.ip_network(self.subnet).broadcast_address - 1)
+
     def __enter__(self) -> Lab:
         try:
             self.start()
@@ -74,8 +82,9 @@ class Lab:
     def start(self) -> None:
         self._builder = os.getpid()
         network = ipaddress.ip_network(self.subnet)
-        if self.size < 1 or self.size > network.num_addresses - 2:
-            raise ValueError(f"size: a lab on {self.subnet} holds 1..{network.num_addresses - 2}")
+        most = network.num_addresses - 3  # less the network, broadcast and switch addresses
+        if self.size < 1 or self.size > most:
+            raise ValueError(f"size: a lab on {self.subnet} holds 1..{most} hosts")
         OWNERS.mkdir(parents=True, exist_ok=True)
         (OWNERS / self.prefix).write_text(_process_identity(os.getpid()))
         _create_namespace(self.switch)
@@ -83,6 +92,8 @@ class Lab:
             switch.link("add", ifname="br0", kind="bridge")
             (bridge,) = switch.link_lookup(ifname="br0")
             switch.link("set", index=bridge, state="up", mtu=self.mtu)
+            switch.addr("add", index=bridge, address=self.switch_address,
+                        prefixlen=network.prefixlen)
             switch.link("set", index=switch.link_lookup(ifname="lo")[0], state="up")
 
         # A host is a few short helper processes that mostly wait (32 one at a time took ~5 s),

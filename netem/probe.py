@@ -69,6 +69,10 @@ DEFAULT_SIZE = 128  # UDP payload of a timed probe: small, so a 10 Mbit/s link i
 DEFAULT_INTERVAL = 0.0004  # 2500 probes/s: a UML guest keeps up with this, sending and receiving
 DEFAULT_COUNT = 5000
 END_SPACING = 0.01  # end-of-train markers repeat this often until one arrives
+# A probe whose send call returned this long after its stamp was taken had its sender
+# descheduled in between: its one-way delay would include that, so it is left out of the
+# delay statistics (and counted, `send_stalls`).
+SEND_STALL = 0.001
 LINGER_MARGIN = 0.05  # extra wait after an end marker for probes still held by the link
 
 # Linux socket options that Python's socket module does not name.
@@ -232,6 +236,7 @@ class Train:
     payload_ok: np.ndarray
     malformed: int = 0
     send_errors: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    send_stalls: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     receiver_drops: int = 0
     unread: int = 0
     ended: bool = True
@@ -270,6 +275,7 @@ class ProbeResult:
     rate_frames: int = 0
     rate_frame_bytes: int = 0
     rate_offered: float | None = None  # what the bulk train's sender achieved, bits/s
+    send_stalls: int = 0  # probes left out of the delay figures: descheduled while sending
 
     @property
     def frame_bytes(self) -> int:
@@ -295,7 +301,9 @@ def summarize(train: Train) -> ProbeResult:
     attempted = int(expected.sum())
     bursts = loss_bursts(lost[expected])
     lengths, counts = np.unique(bursts, return_counts=True)
-    delay = (recv_ns - sent_ns) / 1e9
+    # Arrivals whose send stalled carry a send time that says nothing about the link.
+    timed = ~np.isin(seq, train.send_stalls)
+    delay = (recv_ns[timed] - sent_ns[timed]) / 1e9
     arrivals = seq.size
     corrupt = int((~payload_ok).sum())
     datagrams = arrivals + train.malformed
@@ -310,15 +318,15 @@ def summarize(train: Train) -> ProbeResult:
         loss_burst_mean=float(bursts.mean()) if bursts.size else 0.0,
         loss_burst_max=int(bursts.max()) if bursts.size else 0,
         loss_bursts=dict(zip(lengths.tolist(), counts.tolist(), strict=True)),
-        delay_mean=float(delay.mean()) if arrivals else math.nan,
-        delay_stdev=float(delay.std()) if arrivals else math.nan,
-        delay_min=float(delay.min()) if arrivals else math.nan,
-        delay_max=float(delay.max()) if arrivals else math.nan,
+        delay_mean=float(delay.mean()) if delay.size else math.nan,
+        delay_stdev=float(delay.std()) if delay.size else math.nan,
+        delay_min=float(delay.min()) if delay.size else math.nan,
+        delay_max=float(delay.max()) if delay.size else math.nan,
         delay_percentiles={
             p: float(v)
             for p, v in zip(
                 (50, 90, 99),
-                np.percentile(delay, (50, 90, 99)) if arrivals else [math.nan] * 3,
+                np.percentile(delay, (50, 90, 99)) if delay.size else [math.nan] * 3,
                 strict=True,
             )
         },
@@ -331,6 +339,7 @@ def summarize(train: Train) -> ProbeResult:
         send_errors=int(train.send_errors.size),
         receiver_drops=train.receiver_drops + train.unread,
         ended=train.ended,
+        send_stalls=int(train.send_stalls.size),
     )
 
 
@@ -809,7 +818,9 @@ class _Sender:
         self.destination, self.run, self.size = destination, run, size
         self.buffer = bytearray(encode(run, 0, 0, size))
 
-    def send(self, seq: int, kind: int = KIND_PROBE) -> bool:
+    def send(self, seq: int, kind: int = KIND_PROBE) -> int | None:
+        """Send one probe; returns how long the send took after its stamp (ns), None on an
+        error."""
         now = time.time_ns()
         HEADER.pack_into(
             self.buffer,
@@ -826,8 +837,8 @@ class _Sender:
         try:
             self.sock.sendto(self.buffer, self.destination)
         except OSError:
-            return False
-        return True
+            return None
+        return time.time_ns() - now
 
     def close(self) -> None:
         self.sock.close()
@@ -900,18 +911,25 @@ def run_train(
         try:
             _signal(receiver, sender, KIND_WARMUP, time.monotonic() + timeout)
             errors: list[int] = []
-            start = time.monotonic()
+            stalls: list[int] = []
+            start = last = time.monotonic()
             seq = 0
             while seq < count:
+                # A sender that fell behind catches up at twice its pace, never in one burst:
+                # `compare` judges delays only where the nominal load is at most half a link's
+                # rate, so even catching up the train never queues behind itself there.
                 now = time.monotonic()
-                due = start + seq * interval
+                due = max(start + seq * interval, last + interval / 2) if seq else start
                 if now < due:
                     receiver.wait(due - now)
                     continue
-                while seq < count and start + seq * interval <= now:
-                    if not sender.send(seq):
-                        errors.append(seq)
-                    seq += 1
+                took = sender.send(seq)
+                if took is None:
+                    errors.append(seq)
+                elif took > SEND_STALL * 1e9:
+                    stalls.append(seq)
+                seq += 1
+                last = now
             spacing = (time.monotonic() - start) / max(count - 1, 1)
             ended = _finish(receiver, sender, time.monotonic() + timeout)
         finally:
@@ -927,6 +945,7 @@ def run_train(
             payload_ok=decoded.status[probes] == STATUS_OK,
             malformed=int((decoded.status == STATUS_MALFORMED).sum()),
             send_errors=np.asarray(errors, dtype=np.int64),
+            send_stalls=np.asarray(stalls, dtype=np.int64),
             receiver_drops=receiver.drops,
             unread=receiver.unread,
             ended=ended,

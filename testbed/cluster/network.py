@@ -12,6 +12,11 @@ the others, and every link the scenario's timeline will change or cut, get a sou
 source that once had a rule keeps it (the "layout" stays the same), so later changes go through
 `netem.change` in place: no moment unshaped, no queue flushed, no rebuild.
 
+The lab's own address on the bridge (`control_address`: where the runner serves the run's store,
+for barriers, drift sketches and parameter pulls) is exempt in every receiver's rules: the
+testbed's coordination is not part of the experiment, so a lossy or partitioned link never
+delays it, and it never adds to what a link's counters show.
+
 A partition is 100% loss on the cut directed links; the profile each cut link would otherwise
 have is remembered apart, so `heal` restores whatever the timeline set meanwhile.
 
@@ -185,6 +190,11 @@ class ClusterNetwork:
     def hosts(self) -> list[str]:
         """Each worker's address, by rank."""
         return [host.address for host in self.lab.hosts]
+
+    @property
+    def control_address(self) -> str:
+        """Where the testbed's own services listen (in `self.lab.switch`), never shaped."""
+        return self.lab.switch_address
 
     def namespace(self, worker: int) -> str:
         return self.lab.hosts[worker].netns
@@ -368,6 +378,7 @@ class ClusterNetwork:
         rules: dict[str | None, LinkProfile] = {
             self._address(src): self._effective(src, dst) for src in sorted(self._sources[dst])
         }
+        rules[self.control_address] = LinkProfile()
         rules[None] = self._base[dst]
         return rules
 

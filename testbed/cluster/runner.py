@@ -144,8 +144,8 @@ class ClusterRun:
                 self._zygote = Zygote(lambda rank, report: self._reports.put((rank, report)),
                                       stderr=zygote_log)
                 stack.callback(self._zygote.close)
-                with inside(network.namespace(0)):  # reachable at worker 0's address
-                    store = [serve_run_store(network.hosts[0], PORTS["drift"])]
+                with inside(network.lab.switch):  # on the bridge, never shaped
+                    store = [serve_run_store(network.control_address, PORTS["drift"])]
                 stack.callback(store.clear)  # served until the workers are gone
                 def on_event(record: dict[str, Any]) -> None:
                     writer.fault(**record)
@@ -203,7 +203,8 @@ class ClusterRun:
         for rank in range(self.scenario.count):
             spec = WorkerSpec(scenario=str(scenario_copy.resolve()), steps=self.steps, rank=rank,
                               world=self.scenario.count, hosts=list(network.hosts),
-                              run_dir=str(self.run_dir.resolve()), run_id=run_id)
+                              run_dir=str(self.run_dir.resolve()), run_id=run_id,
+                              run_store=network.control_address)
             self._spec_path(rank).write_text(spec.to_json())
         self._namespaces = [network.namespace(rank) for rank in range(self.scenario.count)]
 

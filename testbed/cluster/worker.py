@@ -48,8 +48,9 @@ class WorkerSpec:
     """What one worker needs to know: the scenario (a path; `steps` overrides its job's), its
     rank in `world`, every worker's address (`hosts`, by rank), the base `ports`, the run
     directory and the run's id. With `port_stride`, rank r listens on base + r * stride, so
-    several workers can share one address (a single-host run on loopback). `rejoin`: a
-    worker restarted after a preemption, which joins the run where the others are."""
+    several workers can share one address (a single-host run on loopback). `run_store`: the
+    address of the run's store (None: worker 0's). `rejoin`: a worker restarted after a
+    preemption, which joins the run where the others are."""
 
     scenario: str
     rank: int
@@ -61,6 +62,7 @@ class WorkerSpec:
     ports: dict[str, int] = field(default_factory=lambda: dict(PORTS))
     port_stride: int = 0
     metrics_address: str = "0.0.0.0"
+    run_store: str | None = None
     rejoin: bool = False
 
     def __post_init__(self) -> None:
@@ -159,7 +161,8 @@ class PeerExchange:
         from torch.distributed import TCPStore
 
         self.spec = spec
-        self.store = TCPStore(spec.hosts[0], spec.port("drift", 0), is_master=False,
+        self.store = TCPStore(spec.run_store or spec.hosts[0], spec.port("drift", 0),
+                              is_master=False,
                               timeout=datetime.timedelta(seconds=60))
         # Requests for parameters made before this worker started are not its to answer.
         self._answered = self.store.add("parameters/asked", 0)

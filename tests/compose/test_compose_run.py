@@ -6,19 +6,23 @@ network of the project."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import time
 import urllib.parse
 import urllib.request
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
 from testbed.compose import PROMETHEUS_PORT, write_project
 
 pytestmark = pytest.mark.compose
+T = TypeVar("T")
 
 SCENARIO = """\
 name: compose-tier
@@ -69,23 +73,55 @@ def _workers(project: Path) -> dict[str, tuple[str, str]]:
             if (fields := line.split()) and fields[0].startswith("worker-")}
 
 
-def _ended(project: Path) -> dict[str, tuple[str, str]] | None:
-    """The workers' states once every one has exited (restarts done), else None."""
-    states = _workers(project)
-    return states if states and all(state == "exited" for state, _ in states.values()) else None
+def _ended(states: dict[str, tuple[str, str]]) -> bool:
+    """Whether every worker has exited (restarts done)."""
+    return bool(states) and all(state == "exited" for state, _ in states.values())
 
 
-def _wait_for(what: str, check, timeout: float = LIVE_WAIT):
+def _diagnose(project: Path) -> str:
+    """What a failed run looked like, before `down` removes it: each container's state, the
+    tail of every service's log, and Prometheus's view of its targets."""
+    parts = [_compose(project, "ps", "-a", check=False).stdout,
+             _compose(project, "logs", "--tail", "30", "--no-color", check=False).stdout]
+    try:
+        url = f"http://127.0.0.1:{PROMETHEUS_PORT}/api/v1/targets"
+        with urllib.request.urlopen(url, timeout=5) as response:
+            targets = json.load(response)["data"]["activeTargets"]
+        parts += [f"target {t['scrapeUrl']}: {t['health']} {t.get('lastError', '')}"
+                  for t in targets]
+    except (OSError, ValueError, KeyError) as error:
+        parts.append(f"Prometheus targets: not readable ({error})")
+    return "\n".join(parts)
+
+
+@contextlib.contextmanager
+def _running(project: Path, *services: str) -> Iterator[None]:
+    """`up -d` these services; if the block fails, print what the run looked like (pytest shows
+    it with the failure) while the containers still exist; `down` in every case."""
+    try:
+        _compose(project, "up", "-d", *services)
+        yield
+    except BaseException:
+        print(_diagnose(project))
+        raise
+    finally:
+        _compose(project, "down", "-v", "--remove-orphans", "-t", "2", check=False)
+
+
+def _wait_for(what: str, read: Callable[[], T], ready: Callable[[T], bool],
+              timeout: float = LIVE_WAIT) -> T:
+    """`read()` until `ready` says its value will do; fails naming the last value read."""
     deadline = time.monotonic() + timeout
     last: object = None
     while time.monotonic() < deadline:
         try:
-            last = check()
+            value = read()
         except OSError as error:  # Prometheus not listening yet
             last = error
         else:
-            if last:
-                return last
+            if ready(value):
+                return value
+            last = value
         time.sleep(1.0)  # Prometheus scrapes every 2 s: nothing to wait on but its API
     raise AssertionError(f"{what}: not within {timeout:g} s (last: {last!r})")
 
@@ -95,10 +131,10 @@ def test_a_compose_run_is_shaped_scraped_live_and_leaves_nothing(docker_engine, 
     scenario.write_text(SCENARIO)
     project = write_project(scenario, tmp_path / "project")
     name = "testbed-compose-tier"
-    try:
-        _compose(project, "up", "-d", *SERVICES)
-        steps = _wait_for("every worker past step 40 in Prometheus", lambda: (
-            found if len(found := _query("testbed_step > 40")) == 3 else None))
+    with _running(project, *SERVICES):
+        steps = _wait_for("every worker past step 40 in Prometheus",
+                          lambda: _query("testbed_step"),
+                          lambda found: len(found) == 3 and min(found.values()) > 40)
         assert {key.split("rank=")[1].split(",")[0] for key in steps} == {"0", "1", "2"}
 
         # The link 0->1 was set to 40% loss at step 10, in worker 1's container only: its
@@ -120,8 +156,9 @@ def test_a_compose_run_is_shaped_scraped_live_and_leaves_nothing(docker_engine, 
         profile = _query('testbed_link_profile_info{rank="1"}')
         assert profile, "worker 1 exports no link profile"
 
-        drift = _wait_for("a drift measurement on every worker", lambda: (
-            found if len(found := _query("testbed_parameter_drift_ratio")) == 3 else None))
+        drift = _wait_for("a drift measurement on every worker",
+                          lambda: _query("testbed_parameter_drift_ratio"),
+                          lambda found: len(found) == 3)
         assert all(0.0 <= value < 1.0 for value in drift.values()), drift
         assert max(drift.values()) > 0.0, "a lossy all-reduce at 40% loss left no drift"
 
@@ -135,7 +172,8 @@ def test_a_compose_run_is_shaped_scraped_live_and_leaves_nothing(docker_engine, 
         retransmits = _query("testbed_netns_tcp_retransmitted_segments_total")
         assert len(retransmits) == 3 and all(v >= 0 for v in retransmits.values()), retransmits
 
-        states = _wait_for("every worker to end", lambda: _ended(project), timeout=600)
+        states = _wait_for("every worker to end", lambda: _workers(project), _ended,
+                           timeout=600)
         assert {code for _, code in states.values()} == {"0"}, states
         # Worker 2 was preempted at step 80 (SIGKILL: its container exited 137), brought back
         # by the restart policy, and rejoined once the others had passed step 110.
@@ -154,17 +192,13 @@ def test_a_compose_run_is_shaped_scraped_live_and_leaves_nothing(docker_engine, 
         assert len(rejoin) == 1 and rejoin[0]["step"] >= 110, rejoin
         ran = [e["step"] for e in events if e["type"] == "step"]
         assert max(ran) == 199 and not [s for s in ran if 80 <= s < 110], ran
-    finally:
-        logs = _compose(project, "logs", "--tail", "20", check=False).stdout
-        _compose(project, "down", "-v", "--remove-orphans", "-t", "2", check=False)
-        left = subprocess.run(
-            ["docker", "ps", "-aq", "--filter", f"label=com.docker.compose.project={name}"],
-            capture_output=True, text=True).stdout.split()
-        networks = subprocess.run(
-            ["docker", "network", "ls", "-q", "--filter",
-             f"label=com.docker.compose.project={name}"],
-            capture_output=True, text=True).stdout.split()
-    assert not left and not networks, (left, networks, logs)
+    left = subprocess.run(
+        ["docker", "ps", "-aq", "--filter", f"label=com.docker.compose.project={name}"],
+        capture_output=True, text=True).stdout.split()
+    networks = subprocess.run(
+        ["docker", "network", "ls", "-q", "--filter", f"label=com.docker.compose.project={name}"],
+        capture_output=True, text=True).stdout.split()
+    assert not left and not networks, (left, networks)
 
 
 def test_the_quickstart_needs_netem_and_says_so_where_the_kernel_lacks_it(docker_engine,
@@ -178,12 +212,10 @@ def test_the_quickstart_needs_netem_and_says_so_where_the_kernel_lacks_it(docker
     quickstart = next(path for path in scenario_files() if path.stem == "quickstart")
     project = write_project(quickstart, tmp_path / "project", steps=5)
     workers = [f"worker-{rank}" for rank in range(4)]
-    try:
-        _compose(project, "up", "-d", *workers)
-        states = _wait_for("every worker to end", lambda: _ended(project), timeout=300)
+    with _running(project, *workers):
+        states = _wait_for("every worker to end", lambda: _workers(project), _ended,
+                           timeout=300)
         logs = _compose(project, "logs", *workers).stdout
-    finally:
-        _compose(project, "down", "-v", "--remove-orphans", "-t", "2", check=False)
     codes = {service: code for service, (_, code) in states.items()}
     if netem_available():
         assert set(codes.values()) == {"0"}, (codes, logs[-3000:])
