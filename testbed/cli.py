@@ -17,6 +17,15 @@ app = typer.Typer(
 @app.callback()
 def main() -> None:
     """Network fault-injection testbed for distributed training."""
+    import contextlib
+    import faulthandler
+    import io
+    import signal
+
+    # A command that seems stuck: `kill -USR1 PID` prints every thread's stack to stderr (when
+    # stderr is a file: not under a test runner that captures it).
+    with contextlib.suppress(io.UnsupportedOperation, AttributeError, ValueError):
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
 @app.command()

@@ -24,7 +24,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -114,6 +114,7 @@ class ClusterRun:
         self.metrics_urls: list[str] = []  # each worker's /metrics, as seen from the host
         self._deadline: float | None = None
         self._timeout: float | None = None
+        self._interrupted = threading.Event()
 
     def worker_pids(self) -> dict[int, int]:
         """The pid of each worker process started so far (the latest of a restarted one)."""
@@ -127,6 +128,10 @@ class ClusterRun:
         `RunTimeout` raised; the run directory says so."""
         self._deadline = None if timeout is None else time.monotonic() + timeout
         self._timeout = timeout
+        with _interrupts_at_safe_points() as self._interrupted:
+            return self._run(on_update)
+
+    def _run(self, on_update: Callable[[list[WorkerState]], None]) -> RunResult:
         started = time.monotonic()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         text = self.scenario_path.read_text()
@@ -157,6 +162,7 @@ class ClusterRun:
                     on_straggler_burst=self._burst,
                 )
                 for rank in range(self.scenario.count):
+                    self._check_interrupt()
                     self._start(rank)
                 try:
                     self._follow(timeline, writer, on_update)
@@ -179,6 +185,11 @@ class ClusterRun:
             self.result = RunResult(self.run_dir, error is None, time.monotonic() - started,
                                     self.workers, summary, html, error)
         return self.result
+
+    def _check_interrupt(self) -> None:
+        """Raise KeyboardInterrupt here, at a safe point, if Ctrl-C came meanwhile."""
+        if self._interrupted.is_set():
+            raise KeyboardInterrupt
 
     def _relay(self, network: ClusterNetwork,
                writer: RunWriter) -> contextlib.AbstractContextManager[Any]:
@@ -268,6 +279,7 @@ class ClusterRun:
         fired = -1
         started = False
         while True:
+            self._check_interrupt()
             if self._deadline is not None and time.monotonic() > self._deadline:
                 raise RunTimeout(f"the run took longer than {self._timeout:g} s")
             with contextlib.suppress(queue.Empty):
@@ -373,6 +385,30 @@ class ClusterRun:
                 _signal_group(process, signal.SIGKILL)
                 process.wait()
         self._reap()
+
+
+@contextlib.contextmanager
+def _interrupts_at_safe_points() -> Iterator[threading.Event]:
+    """Ctrl-C sets the returned event instead of raising wherever the main thread is: a
+    KeyboardInterrupt between a lock's acquire and its `with` block (in the live display, a
+    queue, a network change) leaves the lock held, and the clean-up that follows waits on it
+    forever. The run checks the event between its steps; a second Ctrl-C raises at once. Off
+    the main thread (where signals cannot be handled) the event is never set."""
+    interrupted = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield interrupted
+        return
+
+    def on_sigint(signum: int, frame: Any) -> None:
+        if interrupted.is_set():
+            raise KeyboardInterrupt
+        interrupted.set()
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield interrupted
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _signal_group(process: ForkedWorker, signum: int) -> None:

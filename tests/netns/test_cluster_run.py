@@ -4,6 +4,7 @@ timeline's faults, the report renders, and nothing of the network is left."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import subprocess
@@ -98,7 +99,8 @@ def _long_run(tmp_path: Path) -> tuple[Any, set[str], list[int]]:
     before = set(netns.listnetns())
     runner = subprocess.Popen([sys.executable, "-m", "testbed.cli", "run", str(scenario),
                                "--sandbox", "none", "-o", str(out)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                              stdout=subprocess.DEVNULL,
+                              stderr=(tmp_path / "runner.stderr").open("w"))
     try:
         deadline = time.monotonic() + 120
         while not any(path.stat().st_size for path in out.glob("events-rank*.jsonl")):
@@ -146,8 +148,13 @@ def test_ctrl_c_stops_a_run_and_removes_everything_it_made(tmp_path: Path):
     try:
         code = runner.wait(60)
     except subprocess.TimeoutExpired:
+        runner.send_signal(signal.SIGUSR1)  # its threads' stacks, to its stderr
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            runner.wait(2)
         runner.kill()
-        raise AssertionError("the run did not end within 60 s of Ctrl-C") from None
+        runner.wait()
+        stacks = (tmp_path / "runner.stderr").read_text()[-6000:]
+        raise AssertionError(f"the run did not end within 60 s of Ctrl-C:\n{stacks}") from None
 
     assert code == 130
     assert not set(netns.listnetns()) & made, "Ctrl-C left namespaces"
