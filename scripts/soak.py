@@ -25,7 +25,8 @@ TIERS = {
     "compose": [str(VENV / "bin/python"), "-m", "pytest", "-m", "compose", "tests"],
     "guest": [str(VENV / "bin/testbed"), "sandbox", "pytest", "-m", "netem_kernel", "tests"],
 }
-BUSY_LOOP = "while True: pass"
+# Spins until its parent (this script) is gone, so an interrupted soak leaves no load behind.
+BUSY_LOOP = "import os\nparent = os.getppid()\nwhile os.getppid() == parent: pass"
 
 
 def failures(report: Path) -> list[str]:

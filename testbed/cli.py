@@ -740,10 +740,12 @@ def _run_here(path, steps: int | None, out: str | None) -> None:
         return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else (
             f"{value:.{digits}g}")
 
+    datagrams = cluster.scenario.collective.capabilities.datagrams  # lost ones are counted
+
     def table(workers: list[WorkerState]) -> Table:
         view = Table(title=f"{cluster.scenario.name}: {cluster.scenario.summary()}")
         for column in ("worker", "status", "step", "loss", "step time (s)", "coverage",
-                       "datagrams lost", "drift"):
+                       *(["datagrams lost"] if datagrams else []), "drift"):
             view.add_column(column)
         if cluster.metrics_urls and not os.environ.get("TESTBED_IN_GUEST"):
             first, last = cluster.metrics_urls[0], cluster.metrics_urls[-1]
@@ -753,7 +755,8 @@ def _run_here(path, steps: int | None, out: str | None) -> None:
             view.add_row(str(w.rank), w.status + (f" (restarted {w.restarts}x)" if w.restarts
                                                   else ""),
                          f"{w.step + 1}/{total}", number(w.loss), number(w.step_seconds, 3),
-                         number(w.coverage, 3), f"{w.datagrams_lost:.0f}", number(w.drift, 3))
+                         number(w.coverage, 3),
+                         *([f"{w.datagrams_lost:.0f}"] if datagrams else []), number(w.drift, 3))
         return view
 
     console.print(f"run directory: {cluster.run_dir}")

@@ -24,7 +24,6 @@ import json
 import math
 import os
 import signal
-import subprocess
 import sys
 import time
 import traceback
@@ -111,35 +110,13 @@ class WorkerSpec:
             raise SpecError(str(error)) from None
 
 
-def placement(kind: str, spec: WorkerSpec, scenario: Any) -> dict[str, Any]:
-    """The collective's options that come from where the workers are (addresses, ports, the
-    MTU, the TCP congestion control), not from the scenario's `collective` section."""
-    hosts, rank = spec.hosts, spec.rank
-    at = [(hosts[r], spec.port("collective", r)) for r in range(spec.world)]
-    congestion = scenario.congestion(rank)
-    if kind == "ring":
-        return {"addresses": at, "run_id": spec.run_id, "congestion": congestion}
-    if kind == "lossy":
-        streams = [(hosts[r], spec.port("stream", r)) for r in range(spec.world)]
-        return {"addresses": at, "stream_addresses": streams, "run_id": spec.run_id,
-                "mtu": scenario.topology.mtu, "congestion": congestion,
-                "rejoining": spec.rejoin}
-    if kind == "gloo":
-        return {"master": (hosts[0], spec.port("store", 0))}
-    if kind == "moshpit":
-        return {"store": (hosts[0], spec.port("store", 0)), "listen": at[rank],
-                "run_id": spec.run_id, "congestion": congestion}
-    raise SpecError(f"collective.kind: no placement for {kind!r}")
+def placement(spec: WorkerSpec, scenario: Any) -> Any:
+    """Where this worker is, for its collective's registry entry to place it."""
+    from testbed.collectives.registry import Placement
 
-
-def interface_of(address: str) -> str | None:
-    """The interface holding `address` in this namespace (gloo must be told which to use)."""
-    listing = subprocess.run(["ip", "-o", "-4", "addr", "show"], capture_output=True, text=True)
-    for line in listing.stdout.splitlines():
-        fields = line.split()
-        if len(fields) > 3 and fields[3].split("/")[0] == address:
-            return fields[1]
-    return None
+    return Placement(rank=spec.rank, world=spec.world, hosts=spec.hosts, port=spec.port,
+                     run_id=spec.run_id, mtu=scenario.topology.mtu,
+                     congestion=scenario.congestion(spec.rank), rejoining=spec.rejoin)
 
 
 def serve_run_store(host: str, port: int) -> Any:
@@ -358,12 +335,8 @@ class Worker:
             for peer in range(spec.world):
                 if peer != spec.rank:
                     metrics.set_link_profile(peer, scenario.link_profile(peer, spec.rank))
-            kind = scenario.collective.kind
-            if kind == "gloo" and (iface := interface_of(spec.hosts[spec.rank])):
-                os.environ.setdefault("GLOO_SOCKET_IFNAME", iface)
-            collective = collectives.create(kind, spec.rank, spec.world,
-                                            **scenario.collective.options(),
-                                            **placement(kind, spec, scenario))
+            collective = collectives.place(scenario.collective.kind, placement(spec, scenario),
+                                           scenario.collective.options())
             compressor = scenario.collective.compressor
             if compressor.kind != "none":  # a layer over it (docs/compression.md)
                 from testbed.collectives.compression import wrap
@@ -399,18 +372,16 @@ class Worker:
                exchange: PeerExchange) -> dict[str, float]:
         from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-        from testbed.train import Job
+        from testbed.train.job import Job
 
         spec, config = self.spec, scenario.train_config(self.spec.rank)
         job = Job(config, collective, spec.rank, spec.world,
                   slowdown=scenario.slowdown(spec.rank))
-        if hasattr(collective, "set_shapes"):  # a compressor that works per weight matrix
-            collective.set_shapes([tuple(p.shape) for p in job.parameters])
+        collective.set_shapes([tuple(p.shape) for p in job.parameters])
         if spec.rejoin:  # where the others are, with their parameters
             start = exchange.progress() + 1
-            if hasattr(collective, "pull_state"):  # Moshpit: from its group
-                state = collective.pull_state()
-            else:  # through the run's store, from a live worker
+            state = collective.pull_state()  # Moshpit: from its group
+            if state is None:  # through the run's store, from a live worker
                 answer = exchange.request_parameters(PULL_WAIT)
                 state = None if answer is None else answer[1]
                 if answer is not None:
@@ -464,9 +435,9 @@ class Worker:
         waited for the slowest. Returns the drift, or None if a worker did not answer."""
         import torch
 
-        from testbed.metrics.drift import drift_from, projection
+        from testbed.metrics.drift import DEFAULT_K, drift_from, projection
 
-        k, every = scenario.metrics.drift_k, scenario.metrics.drift_every
+        k, every = scenario.metrics.drift_k or DEFAULT_K, scenario.metrics.drift_every
         window = range(step - every + 1, step + 1)
         mine = torch.tensor([computes.get(s, math.nan) for s in window], dtype=torch.float64)
         sketch = projection(vector, step, k)

@@ -1,72 +1,58 @@
 """Collectives under study: lossy all-reduce, Moshpit averaging, and the ring and gloo baselines.
 
-`create(kind, rank, world, **options)` builds any of them by name (as a scenario names them);
-each keeps the contract in `base.py`, and `hook.comm_hook` lends any of them to a user's DDP model.
-`compress(collective, kind, **parameters)` lays a compressor over any of them (`compression/`,
-docs/compression.md), keeping the same contract.
+`create(kind, rank, world, **options)` builds any of them by name (as a scenario names them,
+`registry.py` declares them); each keeps the contract in `base.py`, and `hook.comm_hook` lends
+any of them to a user's DDP model. `compress(collective, compressor, **parameters)` lays one
+over any of them (`compression/`, docs/compression.md), keeping the same contract.
+
+Importing this package loads no torch: an implementation is imported when it is created.
 """
 
 from __future__ import annotations
 
 import importlib
 import inspect
+from typing import Any
 
-from testbed.collectives.base import AllReduceStats, Collective
-
-# kind -> "module:class"; modules load on first use (torch.distributed, threads, sockets).
-KINDS = {
-    "ring": "testbed.collectives.ring:Ring",
-    "gloo": "testbed.collectives.gloo:Gloo",
-    "moshpit": "testbed.collectives.moshpit:Moshpit",
-    "lossy": "testbed.collectives.lossy:Lossy",
-}
+from testbed.collectives.base import AllReduceStats, Capabilities, Collective, CollectiveBase
+from testbed.collectives.registry import Placement, kind, kinds
 
 
-# Options the cluster supplies from the placement and the topology (addresses, ports, the MTU,
-# the congestion control, test hooks); a scenario sets only the others.
-PLACEMENT_OPTIONS = frozenset({
-    "addresses", "stream_addresses", "master", "store", "listen", "serve_store", "run_id",
-    "congestion", "mtu", "listener", "endpoint", "test_loss", "rejoining",
-})
+def implementation(name: str) -> type[CollectiveBase]:
+    """The class of collective `name` (imported on first use); a bad name names the allowed."""
+    module, _, attribute = kind(name).implementation.partition(":")
+    return getattr(importlib.import_module(module), attribute)
 
 
-def constructor(kind: str) -> type[Collective]:
-    """The class of collective `kind` (imported on first use); a bad kind names the allowed."""
-    if kind not in KINDS:
-        raise ValueError(f"collective.kind: expected one of {', '.join(KINDS)}, got {kind!r}")
-    module, _, name = KINDS[kind].partition(":")
-    return getattr(importlib.import_module(module), name)
-
-
-def options(kind: str) -> dict[str, inspect.Parameter]:
-    """The options of collective `kind`: its constructor's keyword-only parameters, by name."""
-    return {
-        parameter.name: parameter
-        for parameter in inspect.signature(constructor(kind)).parameters.values()
-        if parameter.kind is inspect.Parameter.KEYWORD_ONLY
-    }
-
-
-def create(kind: str, rank: int, world: int, **given: object) -> Collective:
-    """Worker `rank`'s end of collective `kind`; a bad kind or option names what is allowed."""
-    allowed = list(options(kind))
+def create(name: str, rank: int, world: int, **given: Any) -> CollectiveBase:
+    """Worker `rank`'s end of collective `name` with `given` constructor options (the
+    scenario's and the placement's); a bad name or option names what is allowed."""
+    cls = implementation(name)
+    allowed = [parameter.name for parameter in inspect.signature(cls).parameters.values()
+               if parameter.kind is inspect.Parameter.KEYWORD_ONLY]
     unknown = sorted(set(given) - set(allowed))
     if unknown:
         raise ValueError(
-            f"collective.{unknown[0]}: not an option of {kind!r}; allowed: {', '.join(allowed)}"
+            f"collective.{unknown[0]}: not an option of {name!r}; allowed: {', '.join(allowed)}"
         )
-    return constructor(kind)(rank, world, **given)
+    return cls(rank, world, **given)
 
 
-def compress(collective: Collective, kind: str, **parameters: object) -> Collective:
-    """`collective` with compressor `kind` (none, topk, randk, arc_topk, int8, int4, powersgd)
-    over it: `testbed.collectives.compression.wrap` (imported on first use)."""
+def place(name: str, placement: Placement, options: dict[str, Any]) -> CollectiveBase:
+    """Collective `name` for a worker at `placement` with the scenario's `options`."""
+    return create(name, placement.rank, placement.world, **options,
+                  **kind(name).place(placement))
+
+
+def compress(collective: Collective, compressor: str, **parameters: Any) -> Collective:
+    """`collective` with `compressor` (none, topk, randk, arc_topk, int8, int4, powersgd) over
+    it: `testbed.collectives.compression.wrap` (imported on first use)."""
     from testbed.collectives.compression import wrap
 
-    return wrap(collective, kind, **parameters)
+    return wrap(collective, compressor, **parameters)
 
 
 __all__ = [
-    "KINDS", "PLACEMENT_OPTIONS", "AllReduceStats", "Collective", "compress", "constructor",
-    "create", "options",
+    "AllReduceStats", "Capabilities", "Collective", "CollectiveBase", "Placement", "compress",
+    "create", "implementation", "kind", "kinds", "place",
 ]

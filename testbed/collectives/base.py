@@ -3,14 +3,26 @@
 `allreduce(tensor, step)` returns this worker's view of the average of `tensor` over the
 workers, and what it cost. A collective may be inexact by design (lossy: chunks that missed the
 deadline; moshpit: peers left out of a group): its stats say how inexact.
+
+What only some collectives do is declared, never discovered: each kind's `Capabilities` stand
+in its registry entry (`registry.py`), and `CollectiveBase` gives the optional parts a default
+that a collective overrides where it has more (its transport, parameters for a rejoining
+worker, the shapes behind a flat vector, the owners' update of strategy `sharded`).
+
+Torch-free at import: the scenario, the registry and the command line read this module.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, ClassVar, Protocol, runtime_checkable
 
-import torch
+if TYPE_CHECKING:
+    import torch
+
+    from testbed.collectives.compression.exchange import Shift
+    from testbed.transport import DatagramEndpoint, StreamMesh
 
 
 @dataclass
@@ -29,6 +41,18 @@ class AllReduceStats:
     extra: dict[str, float] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class Capabilities:
+    """What a collective kind can do, declared once in its registry entry; scenario checks,
+    the worker and the compression layer read these, never a kind's name."""
+
+    exact: bool = False  # every worker gets the same, exact mean
+    sharded_step: bool = False  # owns the update of its shards (`ShardedStep`: strategy sharded)
+    takes_back: bool = False  # a restarted worker can rejoin the running collective
+    reliable_exchange: bool = False  # offers compressors a reliable neighbour exchange
+    datagrams: bool = False  # moves data as datagrams (`endpoint`: per-peer datagram counters)
+
+
 @runtime_checkable
 class Collective(Protocol):
     """An all-reduce among `world` workers; this object is worker `rank`'s end of it."""
@@ -44,3 +68,53 @@ class Collective(Protocol):
     def close(self) -> None:
         """Release sockets and threads; idempotent."""
         ...
+
+
+# An owner's optimizer on its shard: (start in the flat vector, the shard's current parameters,
+# its averaged gradient) -> the shard's new parameters.
+Update = Callable[[int, "torch.Tensor", "torch.Tensor"], "torch.Tensor"]
+
+
+@runtime_checkable
+class ShardedStep(Protocol):
+    """A collective whose shard owners apply the update (capability `sharded_step`; a user's
+    own collective that has `step` qualifies too)."""
+
+    def step(self, parameters: torch.Tensor, gradient: torch.Tensor, step: int,
+             update: Update) -> tuple[torch.Tensor, AllReduceStats]: ...
+
+
+class CollectiveBase:
+    """The optional parts of the contract, with what a collective that lacks them does. Every
+    collective of the registry derives from it; a user's own `Collective` need not."""
+
+    name: ClassVar[str]
+    rank: int
+    world: int
+    # The transports whose counters the metrics export: datagrams (lossy), TCP streams (ring,
+    # lossy's mesh). None: this collective has no such transport.
+    endpoint: DatagramEndpoint | None = None
+    mesh: StreamMesh | None = None
+    timeout: float = 30.0  # seconds a reliable exchange waits for a peer
+
+    @property
+    def capabilities(self) -> Capabilities:
+        from testbed.collectives.registry import kind
+
+        return kind(self.name).capabilities
+
+    def set_shapes(self, shapes: Sequence[tuple[int, ...]]) -> None:
+        """The shapes of the tensors a flat vector is made of (a model's parameters, in order);
+        only a compressor that works per weight matrix uses them."""
+
+    def pull_state(self) -> torch.Tensor | None:
+        """A rejoining worker's parameters, pulled from its peers through the collective (None:
+        this collective has no way; the run's store serves them)."""
+        return None
+
+    def neighbour_exchange(self) -> Shift | None:
+        """The reliable point-to-point exchange compressors use (capability
+        `reliable_exchange`): over `mesh` by default, None where there is none."""
+        from testbed.collectives.compression.exchange import mesh_shift
+
+        return mesh_shift(self.mesh, self.rank, self.world, self.timeout)

@@ -6,26 +6,35 @@ torch.distributed keeps one default process group per process, so a process hold
 
 from __future__ import annotations
 
+import os
+import subprocess
 import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from testbed.collectives.base import AllReduceStats
+from testbed.collectives.base import AllReduceStats, CollectiveBase
+from testbed.collectives.compression.exchange import GlooShift
 
 
-class Gloo:
+class Gloo(CollectiveBase):
     """Worker `rank`'s end of a gloo group that meets at `master` (rank 0's TCP store)."""
 
     name = "gloo"
 
     def __init__(
-        self, rank: int, world: int, *, master: tuple[str, int], timeout: float = 60.0
+        self, rank: int, world: int, *, master: tuple[str, int], timeout: float = 60.0,
+        interface_address: str | None = None,
     ) -> None:
+        """With `interface_address` (this worker's address), gloo is told to use the interface
+        holding it (`GLOO_SOCKET_IFNAME`, unless set already): by itself it picks whatever
+        interface the host name resolves to, which in a namespace may be none."""
         if dist.is_initialized():
             raise RuntimeError("gloo: this process already has a torch.distributed group")
-        self.rank, self.world = rank, world
+        self.rank, self.world, self.timeout = rank, world, timeout
+        if interface_address is not None and (iface := interface_of(interface_address)):
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", iface)
         host, port = master
         dist.init_process_group(
             "gloo", init_method=f"tcp://{host}:{port}", rank=rank, world_size=world,
@@ -39,6 +48,20 @@ class Gloo:
         result.div_(self.world)
         return result, AllReduceStats(self.name, step, seconds=time.monotonic() - started)
 
+    def neighbour_exchange(self) -> GlooShift:
+        """isend/irecv on the default group."""
+        return GlooShift(self.rank, self.world)
+
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def interface_of(address: str) -> str | None:
+    """The interface holding `address` in this namespace."""
+    listing = subprocess.run(["ip", "-o", "-4", "addr", "show"], capture_output=True, text=True)
+    for line in listing.stdout.splitlines():
+        fields = line.split()
+        if len(fields) > 3 and fields[3].split("/")[0] == address:
+            return fields[1]
+    return None

@@ -37,14 +37,14 @@ timeout, not one per step). A call that has everything in hand ends at once.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from testbed.collectives.base import AllReduceStats
+from testbed.collectives.base import AllReduceStats, CollectiveBase, Update
 from testbed.collectives.estimate import AdaptiveDeadline, ChunkAccumulator
 from testbed.transport.tcp import Listener, StreamMesh
 from testbed.transport.tensors import codec_of, values_of
@@ -52,10 +52,6 @@ from testbed.transport.udp import DatagramEndpoint, Landing, Sink, chunk_count
 from testbed.transport.wire import Codec, Kind
 
 BUCKETS = 1 << 32  # the datagram header's bucket field: calls are numbered modulo this
-
-# The owner's optimizer on its shard: (start in the flat vector, current parameters of the
-# shard, averaged gradient of the shard) -> new parameters of the shard.
-Update = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -96,7 +92,7 @@ class LossyStats(AllReduceStats):
     lost: dict[int, int] = field(default_factory=dict)
 
 
-class Lossy:
+class Lossy(CollectiveBase):
     """Worker `rank`'s end of the lossy all-reduce among `world` workers; its datagrams go to
     and from `addresses[rank]` (numeric addresses, one per rank)."""
 

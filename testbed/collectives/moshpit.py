@@ -37,7 +37,7 @@ from enum import IntEnum
 
 import torch
 
-from testbed.collectives.base import AllReduceStats
+from testbed.collectives.base import AllReduceStats, CollectiveBase
 from testbed.collectives.grid import Grid
 from testbed.collectives.membership import Member, Membership
 from testbed.transport.errors import TransportError, TransportTimeout
@@ -201,7 +201,7 @@ class _Link:
         self._drop()
 
 
-class Moshpit:
+class Moshpit(CollectiveBase):
     """Worker `rank`'s end of Moshpit averaging among `world` peers (a `Collective`)."""
 
     name = "moshpit"

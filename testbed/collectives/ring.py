@@ -13,14 +13,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from testbed.collectives.base import AllReduceStats
+from testbed.collectives.base import AllReduceStats, CollectiveBase
 from testbed.transport.tcp import Listener, StreamMesh
 from testbed.transport.wire import Kind
 
 BUCKETS = 1 << 16  # the frame header's bucket field: calls are numbered modulo this
 
 
-class Ring:
+class Ring(CollectiveBase):
     """Worker `rank`'s end of a ring of `world` workers listening at `addresses[rank]`."""
 
     name = "ring"

@@ -28,7 +28,7 @@ import math
 import threading
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.exposition import start_http_server
@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
 
     from netem.profile import LinkProfile
-    from testbed.collectives.base import AllReduceStats
+    from testbed.collectives.base import AllReduceStats, CollectiveBase
     from testbed.train.job import StepRecord
 
 # Seconds: a loopback step is milliseconds, a WAN step with a lost chunk's deadline seconds.
@@ -398,10 +398,10 @@ class WorkerMetrics:
             self._advance(self.received_bytes, (label, "tcp"), counts.bytes_received)
             self._advance(self.socket_retransmits, (label,), counts.tcp_retransmits)
 
-    def observe_transport(self, collective: Any) -> None:
+    def observe_transport(self, collective: CollectiveBase) -> None:
         """`observe_counters` with what a collective exposes: its `endpoint` (a
         DatagramEndpoint, lossy) and its `mesh` (a StreamMesh), where it has them."""
-        endpoint, mesh = getattr(collective, "endpoint", None), getattr(collective, "mesh", None)
+        endpoint, mesh = collective.endpoint, collective.mesh
         self.observe_counters(
             datagrams=endpoint.counters() if endpoint is not None else None,
             sockets=endpoint.socket_counters() if endpoint is not None else None,

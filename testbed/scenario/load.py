@@ -11,7 +11,7 @@ from typing import Any, get_args
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from testbed.collectives import KINDS
+from testbed.collectives.registry import kinds
 from testbed.scenario.model import COLLECTIVES, Loc, Problems, Scenario, dotted
 
 SHIPPED = Path(__file__).resolve().parents[2] / "compose" / "scenarios"
@@ -156,7 +156,7 @@ def _clean(loc: tuple, data: dict) -> Loc:
     for part in loc:
         if isinstance(part, str) and ("[" in part or "(" in part):
             continue
-        if cleaned == ["collective"] and part in KINDS:
+        if cleaned == ["collective"] and part in kinds():
             continue
         cleaned.append(part)
     return tuple(cleaned)
@@ -176,7 +176,7 @@ def _messages(item: dict, loc: Loc, data: dict) -> list[tuple[Loc, str]]:
         return [(loc, "required")]
     if kind in ("union_tag_invalid", "union_tag_not_found"):
         got = f"unknown collective {ctx['tag']!r}" if "tag" in ctx else "required"
-        return [((*loc, "kind"), f"{got}; allowed: {', '.join(KINDS)}")]
+        return [((*loc, "kind"), f"{got}; allowed: {', '.join(kinds())}")]
     if kind == "literal_error":
         return [(loc, f"expected {ctx.get('expected')}, got {item.get('input')!r}")]
     if kind.endswith(_SHOW_INPUT) and not isinstance(item.get("input"), dict | list):

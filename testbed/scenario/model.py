@@ -3,14 +3,14 @@
 Every section has defaults, so five lines make a complete scenario; every model forbids unknown
 fields. Link profiles are `netem.LinkProfile` itself, the job is `testbed.train.TrainConfig`
 itself, straggler distributions are `testbed.train.stragglers.StragglerSpec`, and a collective's
-options are its constructor's (`testbed.collectives.options`), so each is validated in one place.
+options and capabilities are its registry entry's (`testbed.collectives.registry`), so each is
+validated in one place. Nothing here imports torch: checking a scenario is quick.
 Checks that need several sections (a worker index against the count, a group name against the
 groups) run once the fields are valid and report each problem at its own path (`Problems`).
 """
 
 from __future__ import annotations
 
-import typing
 from collections.abc import Callable, Iterator, Mapping
 from functools import reduce
 from operator import or_
@@ -29,10 +29,7 @@ from pydantic.json_schema import GenerateJsonSchema
 
 from netem.profile import BitsPerSecond, Fraction, LinkProfile, ProfileError, Seconds
 from netem.units import FRACTION_HELP, RATE_HELP, TIME_HELP
-from testbed import collectives
-from testbed.collectives.compression.compressed import KINDS as COMPRESSOR_KINDS
-from testbed.collectives.compression.compressed import PARAMETERS as COMPRESSOR_PARAMETERS
-from testbed.metrics.drift import DEFAULT_K
+from testbed.collectives import registry
 from testbed.train.config import TrainConfig, _threshold
 from testbed.train.stragglers import StragglerSpec
 
@@ -260,9 +257,8 @@ class Workers(_Model):
 # --- collective ---------------------------------------------------------------------------------
 
 
-COMPRESSOR_NEEDS_EXCHANGE = ("topk", "arc_topk", "int8", "int4")
 CompressorKind = Literal["none", "topk", "randk", "arc_topk", "int8", "int4", "powersgd"]
-assert get_args(CompressorKind) == COMPRESSOR_KINDS
+assert get_args(CompressorKind) == tuple(registry.COMPRESSORS)
 
 
 class Compressor(_Model):
@@ -294,7 +290,7 @@ class Compressor(_Model):
 
     @model_validator(mode="after")
     def _own_parameters(self) -> Compressor:
-        allowed = COMPRESSOR_PARAMETERS[self.kind]
+        allowed = registry.COMPRESSORS[self.kind].parameters
         for name in sorted(self.model_fields_set - {"kind"}):
             if name not in allowed:
                 raise ValueError(f"{name}: not a parameter of {self.kind}; allowed: "
@@ -306,32 +302,31 @@ class Compressor(_Model):
         return self.model_dump(exclude={"kind"}, exclude_unset=True)
 
 
-class _Collective(_Model):
+class _Collective(registry.CollectiveOptions):
     kind: str  # and, after the kind's own options, `compressor: Compressor`
 
     def options(self) -> dict[str, Any]:
-        """The options given, for `testbed.collectives.create(kind, rank, world, **options,
-        **placement)`; the cluster adds the placement ones (`PLACEMENT_OPTIONS`)."""
+        """The options given, for `testbed.collectives.place(kind, placement, options)`; the
+        registry entry adds the placement's."""
         return self.model_dump(exclude={"kind", "compressor"}, exclude_unset=True)
 
+    @property
+    def capabilities(self) -> registry.Capabilities:
+        return registry.kind(self.kind).capabilities
 
-def _collective_model(kind: str) -> type[_Collective]:
-    constructor = collectives.constructor(kind)
-    hints = typing.get_type_hints(constructor.__init__)
-    fields: dict[str, Any] = {"kind": (Literal[kind], ...)}
-    for name, parameter in collectives.options(kind).items():
-        if name not in collectives.PLACEMENT_OPTIONS:
-            default = ... if parameter.default is parameter.empty else parameter.default
-            fields[name] = (hints[name], default)
-    fields["compressor"] = (Compressor, Field(default=Compressor(), description="Compression "
-                            "over the collective (kind none: off); docs/compression.md."))
-    model = create_model(f"{kind.capitalize()}Collective", __base__=_Collective, **fields)
-    model.__doc__ = f"Collective {kind!r}: the options of {constructor.__qualname__}."
+
+def _collective_model(entry: registry.Kind) -> type[_Collective]:
+    model = create_model(
+        f"{entry.name.capitalize()}Collective", __base__=(entry.options, _Collective),
+        kind=(Literal[entry.name], ...),
+        compressor=(Compressor, Field(default=Compressor(), description="Compression over the "
+                                      "collective (kind none: off); docs/compression.md.")))
+    model.__doc__ = f"Collective {entry.name!r}: {entry.summary}."
     return model
 
 
-COLLECTIVES: dict[str, type[_Collective]] = {kind: _collective_model(kind) for kind in
-                                             collectives.KINDS}
+COLLECTIVES: dict[str, type[_Collective]] = {name: _collective_model(registry.kind(name))
+                                             for name in registry.kinds()}
 CollectiveSpec = Annotated[reduce(or_, COLLECTIVES.values()), Field(discriminator="kind")]
 
 
@@ -347,7 +342,8 @@ class Metrics(_Model):
 
     port: int = Field(default=9100, ge=0, le=65535)
     drift_every: int = Field(default=10, ge=0)
-    drift_k: int = Field(default=DEFAULT_K, ge=1)
+    drift_k: int | None = Field(default=None, ge=1, description="Numbers in each drift sketch "
+                                "(null: the estimator's default, 64).")
     probe_links: bool = False
     linger: Seconds = Field(default=0.0, ge=0, description=(
         "Seconds a worker keeps serving /metrics after its last step, so a scraper sees the "
@@ -527,7 +523,7 @@ class Scenario(_Model):
                              "(testbed.train.TrainConfig; seed is set at the top level).")
     collective: CollectiveSpec = Field(
         default=COLLECTIVES["ring"](kind="ring"),
-        description=f"kind ({', '.join(collectives.KINDS)}) and that collective's options.")
+        description=f"kind ({', '.join(registry.kinds())}) and that collective's options.")
     timeline: list[Event] = Field(default=[], description="Faults, at a time or a step, in "
                                   "the order they happen.")
     metrics: Metrics = Metrics()
@@ -535,9 +531,9 @@ class Scenario(_Model):
     @model_validator(mode="after")
     def _consistent(self) -> Scenario:
         problems = [*self._check_workers(), *self._check_topology(), *self._check_timeline()]
-        if self.job.strategy == "sharded" and not hasattr(
-                collectives.constructor(self.collective.kind), "step"):
-            owners = [k for k in collectives.KINDS if hasattr(collectives.constructor(k), "step")]
+        capabilities = self.collective.capabilities
+        if self.job.strategy == "sharded" and not capabilities.sharded_step:
+            owners = registry.with_capability("sharded_step")
             problems.append((("job", "strategy"), f"sharded needs a collective that owns the "
                              f"update (step()): {', '.join(owners)}; got {self.collective.kind}"))
         compressor = self.collective.compressor.kind
@@ -545,10 +541,12 @@ class Scenario(_Model):
             problems.append((("collective", "compressor", "kind"), f"{compressor} compresses "
                              "all-reduce calls; strategy sharded uses the collective's step(): "
                              "use strategy gradient or average, or kind none"))
-        if self.collective.kind == "moshpit" and compressor in COMPRESSOR_NEEDS_EXCHANGE:
+        if (registry.compressor_kind(compressor).exchange_needed(capabilities)
+                and not capabilities.reliable_exchange):
+            offered = ", ".join(registry.with_capability("reliable_exchange"))
             problems.append((("collective", "compressor", "kind"), f"{compressor} needs a "
-                             "collective with a reliable neighbour exchange (ring, lossy, "
-                             "gloo); over moshpit use randk, powersgd or none"))
+                             f"collective with a reliable neighbour exchange ({offered}); over "
+                             f"{self.collective.kind} use randk, powersgd or none"))
         problems.extend(self._check_rejoin())
         if "seed" in self.job.model_fields_set:
             problems.append((("job", "seed"), "set seed at the top level of the scenario"))
@@ -559,25 +557,20 @@ class Scenario(_Model):
     # -- checks across sections
 
     def _check_rejoin(self) -> Iterator[tuple[Loc, str]]:
-        """A restarted worker needs a collective that can take it back: Moshpit (groups form
-        anew every round), or lossy without the TCP paths fixed at its start (its resync, the
-        compressors that exchange over them). Ring and gloo keep the peers of their start."""
+        """A restarted worker needs a collective that can take it back (capability
+        `takes_back`), with options that allow it (`rejoin_problem`)."""
         restarts = [i for i, event in enumerate(self.timeline) if event.action == "restart"]
         if not restarts:
             return
-        kind, compressor = self.collective.kind, self.collective.compressor.kind
-        if kind in ("ring", "gloo"):
+        kind = self.collective.kind
+        if not self.collective.capabilities.takes_back:
             why = (f"collective {kind} cannot take a worker back (its peers are fixed at the "
-                   "start); use moshpit or lossy, or kill without restart")
-        elif kind == "lossy" and getattr(self.collective, "resync_every", 0):
-            why = ("a restarted worker has no TCP streams to lossy's resync: set "
-                   "collective.resync_every to 0, or kill without restart")
-        elif kind == "lossy" and compressor in COMPRESSOR_NEEDS_EXCHANGE:
-            why = (f"compressor {compressor} exchanges over lossy's TCP streams, which a "
-                   "restarted worker has not: use randk, powersgd or none")
+                   f"start); use {' or '.join(registry.with_capability('takes_back'))}, or kill "
+                   "without restart")
         else:
-            return
-        yield ("timeline", restarts[0], "restart"), why
+            why = self.collective.rejoin_problem(self.collective.compressor.kind)
+        if why is not None:
+            yield ("timeline", restarts[0], "restart"), why
 
     def _worker_problems(self, loc: Loc, workers: list[int]) -> Iterator[tuple[Loc, str]]:
         count = self.workers.count

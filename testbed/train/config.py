@@ -6,10 +6,9 @@ optimizer: {adam: {lr: 3e-4}}}`); bad input raises `TrainConfigError` naming the
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
-import torch
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
 from netem.profile import Fraction, describe_errors
@@ -37,7 +36,7 @@ class Adam(_Spec):
     weight_decay: float = Field(default=0.0, ge=0)
 
 
-_TORCH_OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}
+OPTIMIZERS = ("sgd", "adam")  # torch.optim's SGD and Adam (`strategies.build_optimizer`)
 
 
 class OptimizerSpec(_Spec):
@@ -48,14 +47,19 @@ class OptimizerSpec(_Spec):
 
     @model_validator(mode="after")
     def _exactly_one(self) -> OptimizerSpec:
-        given = [name for name in _TORCH_OPTIMIZERS if getattr(self, name) is not None]
+        given = [name for name in OPTIMIZERS if getattr(self, name) is not None]
         if len(given) != 1:
-            raise ValueError(f"give exactly one of {', '.join(_TORCH_OPTIMIZERS)}, got {given}")
+            raise ValueError(f"give exactly one of {', '.join(OPTIMIZERS)}, got {given}")
         return self
 
-    def build(self, parameters: Iterable[torch.Tensor]) -> torch.optim.Optimizer:
-        name = next(name for name in _TORCH_OPTIMIZERS if getattr(self, name) is not None)
-        return _TORCH_OPTIMIZERS[name](parameters, **getattr(self, name).model_dump())
+    @property
+    def name(self) -> str:
+        """Which optimizer: sgd or adam."""
+        return next(name for name in OPTIMIZERS if getattr(self, name) is not None)
+
+    def options(self) -> dict[str, Any]:
+        """Its options, by torch's own names."""
+        return getattr(self, self.name).model_dump()
 
 
 def _threshold(value: Any) -> Any:

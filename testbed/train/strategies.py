@@ -5,10 +5,10 @@
 - `average`: local SGD in the Moshpit style. Every worker steps on its own gradient and every
   `average_every` steps the workers all-reduce their parameters.
 - `sharded`: the collective owns the update (the lossy all-reduce: each shard owner applies the
-  optimizer to its shard and broadcasts fresh parameters). It is used through duck typing: the
-  collective needs `step(parameters_flat, gradient_flat, step, update) -> (parameters_flat,
-  AllReduceStats)`, calling `update(start, parameters, gradient) -> new parameters` for the
-  slice of the flat vector that begins at `start` (see `ShardOptimizer`).
+  optimizer to its shard and broadcasts fresh parameters). A collective with the capability
+  `sharded_step` has `step(parameters_flat, gradient_flat, step, update) -> (parameters_flat,
+  AllReduceStats)` (`base.ShardedStep`), calling `update(start, parameters, gradient) -> new
+  parameters` for the slice of the flat vector that begins at `start` (see `ShardOptimizer`).
 """
 
 from __future__ import annotations
@@ -20,9 +20,16 @@ import torch
 from torch import nn
 from torch.nn.utils import parameters_to_vector
 
-from testbed.collectives.base import AllReduceStats, Collective
+from testbed.collectives.base import AllReduceStats, Collective, ShardedStep
 from testbed.train import dropcompute
 from testbed.train.config import OptimizerSpec, TrainConfig
+
+
+def build_optimizer(spec: OptimizerSpec,
+                    parameters: Sequence[torch.Tensor]) -> torch.optim.Optimizer:
+    """The torch optimizer `spec` names, over `parameters`."""
+    kind = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}[spec.name]
+    return kind(parameters, **spec.options())
 
 
 def write_flat(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
@@ -44,7 +51,7 @@ class GradientAllReduce:
     def __init__(self, collective: Collective, model: nn.Module, spec: OptimizerSpec) -> None:
         self.collective = collective
         self.parameters = list(model.parameters())
-        self.optimizer = spec.build(self.parameters)
+        self.optimizer = build_optimizer(spec, self.parameters)
 
     def apply(self, gradient_sum: torch.Tensor, count: int, step: int) -> AllReduceStats:
         mean, stats = self.collective.allreduce(dropcompute.pack(gradient_sum, count), step)
@@ -58,7 +65,7 @@ class ParameterAveraging:
     ) -> None:
         self.collective = collective
         self.parameters = list(model.parameters())
-        self.optimizer = spec.build(self.parameters)
+        self.optimizer = build_optimizer(spec, self.parameters)
         self.every = every
 
     def apply(self, gradient_sum: torch.Tensor, count: int, step: int) -> AllReduceStats | None:
@@ -87,7 +94,7 @@ class ShardOptimizer:
         key = (start, parameters.numel())
         if key not in self._slices:
             holder = nn.Parameter(parameters.detach().clone())
-            self._slices[key] = (holder, self.spec.build([holder]))
+            self._slices[key] = (holder, build_optimizer(self.spec, [holder]))
         holder, optimizer = self._slices[key]
         _step(optimizer, [holder], gradient, parameters)
         return holder.detach().clone()
@@ -95,13 +102,12 @@ class ShardOptimizer:
 
 class ShardedUpdate:
     def __init__(self, collective: Collective, model: nn.Module, spec: OptimizerSpec) -> None:
-        sharded_step = getattr(collective, "step", None)
-        if not callable(sharded_step):
+        if not isinstance(collective, ShardedStep):
             raise ValueError(
                 f"strategy sharded: collective {collective.name!r} has no step(parameters, "
                 "gradient, step, update); use strategy gradient or average"
             )
-        self.sharded_step = sharded_step
+        self.sharded_step = collective.step
         self.parameters = list(model.parameters())
         self.update = ShardOptimizer(spec)
 

@@ -20,6 +20,7 @@ from testbed.cluster.worker import (
     placement,
     post_links,
 )
+from testbed.collectives import registry
 from testbed.scenario import load_scenario
 
 HOSTS = ["198.18.0.1", "198.18.0.2", "198.18.0.3"]
@@ -55,14 +56,15 @@ def test_bad_specs_name_the_field(text, message):
         WorkerSpec.from_json(text)
 
 
-@pytest.mark.parametrize("kind", sorted(collectives.KINDS))
+@pytest.mark.parametrize("kind", registry.kinds())
 def test_placement_gives_each_collective_options_it_takes(kind):
     scenario = load_scenario(f"name: p\nworkers: 3\ncollective: {{kind: {kind}}}\n"
                              "topology: {mtu: 9000, congestion: bbr}\n")
-    options = placement(kind, spec(), scenario)
-    accepted = inspect.signature(collectives.constructor(kind)).parameters
+    options = registry.kind(kind).place(placement(spec(), scenario))
+    accepted = inspect.signature(collectives.implementation(kind)).parameters
     assert set(options) <= set(accepted), f"{kind} takes no {set(options) - set(accepted)}"
-    assert set(options) <= collectives.PLACEMENT_OPTIONS
+    assert not set(options) & set(registry.kind(kind).options.model_fields), (
+        "a scenario option is also a placement one")
     if "addresses" in options:
         assert options["addresses"][2] == (HOSTS[2], PORTS["collective"])
     if kind == "lossy":

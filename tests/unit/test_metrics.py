@@ -17,7 +17,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from netem.profile import LinkProfile
-from testbed.collectives.base import AllReduceStats
+from testbed.collectives.base import AllReduceStats, CollectiveBase
 from testbed.collectives.lossy import LossyStats
 from testbed.metrics import (
     PREFIX,
@@ -282,12 +282,16 @@ def test_observe_transport_reads_what_a_collective_exposes() -> None:
         def socket_counters(self):
             return SocketCounters(rcvbuf_drops=1)
 
-    class Collective:
+    class Datagrams(CollectiveBase):
+        name = "lossy"
         endpoint = Endpoint()
 
+    class Quiet(CollectiveBase):  # a collective without sockets of ours: nothing
+        name = "gloo"
+
     metrics = WorkerMetrics(0, namespace_proc=False)
-    metrics.observe_transport(Collective())
-    metrics.observe_transport(object())  # a collective without sockets of ours: nothing
+    metrics.observe_transport(Datagrams())
+    metrics.observe_transport(Quiet())
     get = metrics.registry.get_sample_value
     assert get("testbed_datagrams_sent_total", {"rank": "0", "peer": "1"}) == 4
     assert get("testbed_udp_receive_buffer_drops_total", {"rank": "0"}) == 1

@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from testbed.train import TrainConfig, TrainConfigError
+from testbed.train.config import TrainConfig, TrainConfigError
 from testbed.train.dropcompute import BIN_EDGES, auto_threshold, start_histogram
 
 

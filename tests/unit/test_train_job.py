@@ -14,11 +14,12 @@ import torch
 from torch.nn.utils import parameters_to_vector
 
 from testbed.collectives.base import AllReduceStats, Collective
-from testbed.train import Job, StepRecord, TrainConfig, summarize, train
+from testbed.train.config import TrainConfig
 from testbed.train.data import Shard
 from testbed.train.dropcompute import pack, unpack
-from testbed.train.job import load_dataset
+from testbed.train.job import Job, StepRecord, load_dataset, summarize, train
 from testbed.train.models import build_model, loss_fn
+from testbed.train.strategies import build_optimizer
 
 torch.set_num_threads(1)
 
@@ -154,7 +155,7 @@ def large_batch_reference(config: TrainConfig, world: int, kept: list[int] | Non
     micro-batches (all of them unless `kept[rank]` says how many)."""
     data = load_dataset(config)
     model = build_model(config.model, data, config.context, config.seed)
-    optimizer = config.optimizer.build(model.parameters())
+    optimizer = build_optimizer(config.optimizer, list(model.parameters()))
     shards = [Shard(len(data.train_y), rank, world, config.seed) for rank in range(world)]
     micro = config.batch // config.micro_batches
     kept = kept or [config.micro_batches] * world

@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from testbed.train import StragglerDelay, StragglerError, StragglerSpec
+from testbed.train.stragglers import StragglerDelay, StragglerError, StragglerSpec
 
 DRAWS = 20_000
 

@@ -15,24 +15,24 @@ worker compressed) and, with EF21M, `feedback_residual` (||v_i - g_i||).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
 import torch
 
-from testbed.collectives.base import AllReduceStats, Collective
+from testbed.collectives.base import AllReduceStats, Capabilities, CollectiveBase
 from testbed.collectives.compression import quantize as q
-from testbed.collectives.compression.exchange import Shift, all_gather, shift_of
+from testbed.collectives.compression.exchange import Shift, all_gather
 from testbed.collectives.compression.powersgd import PowerSGD
 from testbed.collectives.compression.sparsify import ARCTopK, RandK, TopK
-
-EXACT = frozenset({"ring", "gloo"})  # inner kinds whose every worker gets the same result
+from testbed.collectives.registry import COMPRESSORS, compressor_kind
 
 
 class Call:
     """One compressed all-reduce's access to the inner collective, adding up what it cost."""
 
-    def __init__(self, inner: Collective, shift: Shift | None, step: int) -> None:
+    def __init__(self, inner: CollectiveBase, shift: Shift | None, step: int) -> None:
         self.inner, self.shift, self.step = inner, shift, step
         self.stats: list[AllReduceStats] = []
         self._shift_before = (shift.bytes_sent, shift.bytes_received) if shift else (0, 0)
@@ -51,7 +51,7 @@ class Call:
         """The sum of the workers' `sketch`es, bitwise the same on every worker: the inner's
         all-reduce where it is exact (ring, gloo), else an all-gather over its reliable
         transport summed in rank order (lossy: a lost datagram must not split the pattern)."""
-        if self.inner.name in EXACT or self.inner.world == 1:
+        if self.inner.capabilities.exact or self.inner.world == 1:
             return self.allreduce(sketch) * self.inner.world
         if self.shift is None:
             raise ValueError(f"compressor: {self.inner.name!r} has no reliable exchange to "
@@ -64,7 +64,7 @@ class Call:
     def exact_mean(self, tensor: torch.Tensor) -> torch.Tensor:
         """The exact mean of `tensor` over the workers (for resyncs): the inner's all-reduce
         if exact, else a ring all-reduce of fp32 over the reliable exchange."""
-        if self.inner.name in EXACT or self.shift is None:
+        if self.inner.capabilities.exact or self.shift is None:
             return self.allreduce(tensor)
         return ring_allreduce(self.shift, tensor, self.step, None)[0]
 
@@ -131,13 +131,14 @@ class Quantized:
     """Group-wise INT8/INT4 two-step all-reduce over the inner collective's reliable
     neighbour exchange (ring: its TCP streams; lossy: its TCP mesh; gloo: isend/irecv)."""
 
-    needs_shift = True
-
     def __init__(self, *, bits: int = 8, group_size: int = 128, symmetric: bool = True,
                  stochastic: bool = False, seed: int = 0, rank: int = 0) -> None:
         self.fmt = q.Format(bits, group_size, symmetric, stochastic)
         self.kind = f"int{bits}"
         self.generator = torch.Generator().manual_seed(seed * 1_000_003 + rank)
+
+    def set_shapes(self, shapes: Any) -> None:
+        """Groups run along the flat vector: the shapes do not matter."""
 
     def reduce(self, call: Call, body: torch.Tensor, tail: torch.Tensor, step: int):
         assert call.shift is not None
@@ -164,28 +165,14 @@ class Quantized:
         pass
 
 
-KINDS = ("none", "topk", "randk", "arc_topk", "int8", "int4", "powersgd")
-# Which compressor parameters each kind takes (the scenario checks a field against its kind).
-PARAMETERS = {
-    "none": (),
-    "topk": ("density", "error_feedback", "momentum", "resync_every"),
-    "randk": ("density", "error_feedback", "momentum", "resync_every", "seed"),
-    "arc_topk": ("density", "block", "error_feedback", "momentum", "resync_every"),
-    "int8": ("group_size", "symmetric", "stochastic", "seed"),
-    "int4": ("group_size", "symmetric", "stochastic", "seed"),
-    "powersgd": ("rank", "error_feedback", "seed"),
-}
-
-
 def make_compressor(kind: str, worker: int = 0, /, **parameters: Any) -> Any:
     """Compressor `kind` with `parameters` (the `worker`'s rank seeds stochastic rounding); a
     bad kind or parameter is named with what is allowed."""
-    if kind not in KINDS:
-        raise ValueError(f"compressor.kind: expected one of {', '.join(KINDS)}, got {kind!r}")
-    unknown = sorted(set(parameters) - set(PARAMETERS[kind]))
+    allowed = compressor_kind(kind).parameters
+    unknown = sorted(set(parameters) - set(allowed))
     if unknown:
         raise ValueError(f"compressor.{unknown[0]}: not a parameter of {kind}; allowed: "
-                         f"{', '.join(PARAMETERS[kind]) or 'none'}")
+                         f"{', '.join(allowed) or 'none'}")
     if kind == "none":
         return None
     if kind == "topk":
@@ -201,41 +188,46 @@ def make_compressor(kind: str, worker: int = 0, /, **parameters: Any) -> Any:
     return Quantized(bits=8 if kind == "int8" else 4, rank=worker, **parameters)
 
 
-class Compressed:
+class Compressed(CollectiveBase):
     """`inner`'s all-reduce, its payload compressed by `compressor` (a sparsifier, a
     quantizer or PowerSGD); the last `dense_tail` values of every tensor travel exact."""
 
-    def __init__(self, inner: Collective, compressor: Any, *, dense_tail: int = 0) -> None:
+    def __init__(self, inner: CollectiveBase, compressor: Any, *, dense_tail: int = 0) -> None:
         if dense_tail < 0:
             raise ValueError(f"dense_tail: expected 0 or more, got {dense_tail}")
         self.inner, self.compressor, self.dense_tail = inner, compressor, dense_tail
         self.rank, self.world = inner.rank, inner.world
         self.name = f"{inner.name}+{compressor.kind}"
-        self.shift = shift_of(inner)
-        if hasattr(inner, "pull_state"):  # moshpit: a rejoining worker pulls parameters
-            self.pull_state = inner.pull_state
-        agrees = getattr(compressor, "kind", "") == "arc_topk" and inner.name not in EXACT
-        if (compressor.needs_shift or agrees) and self.shift is None and inner.world > 1:
+        self.shift = inner.neighbour_exchange() if inner.world > 1 else None
+        needed = COMPRESSORS[compressor.kind].exchange_needed(inner.capabilities)
+        if needed and self.shift is None and inner.world > 1:
             raise ValueError(
                 f"compressor.kind: {compressor.kind} needs a reliable point-to-point exchange "
                 f"(ring, lossy or gloo); {inner.name!r} has none (use randk, powersgd or none)")
 
+    @property
+    def capabilities(self) -> Capabilities:
+        """The inner's, but the owners' update, which compression does not pass on."""
+        return dataclasses.replace(self.inner.capabilities, sharded_step=False)
+
     def set_shapes(self, shapes: Any) -> None:
         """The shapes of the tensors the flat vectors are made of (a model's parameters, in
         order), for compressors that use them (PowerSGD: one matrix per weight)."""
-        if hasattr(self.compressor, "set_shapes"):
-            self.compressor.set_shapes(shapes)
+        self.compressor.set_shapes(shapes)
+
+    def pull_state(self) -> torch.Tensor | None:
+        return self.inner.pull_state()
 
     @property
     def endpoint(self) -> Any:
         """The inner's datagram endpoint (lossy), for the metrics' transport counters."""
-        return getattr(self.inner, "endpoint", None)
+        return self.inner.endpoint
 
     @property
     def mesh(self) -> Any:
         """The inner's TCP streams (ring, lossy), for the metrics' transport counters; the
         neighbour exchanges of the compressors travel on them too."""
-        return getattr(self.inner, "mesh", None)
+        return self.inner.mesh
 
     def allreduce(self, tensor: torch.Tensor, step: int) -> tuple[torch.Tensor, AllReduceStats]:
         started = time.monotonic()
@@ -277,8 +269,8 @@ class Compressed:
             self.inner.close()
 
 
-def wrap(inner: Collective, kind: str, *, dense_tail: int = 0,
-         **parameters: Any) -> Collective:
+def wrap(inner: CollectiveBase, kind: str, *, dense_tail: int = 0,
+         **parameters: Any) -> CollectiveBase:
     """`inner` with compressor `kind` (none: `inner` itself); closing it closes `inner`. If
     this raises, `inner` is left open (the caller's to close)."""
     compressor = make_compressor(kind, inner.rank, **parameters)

@@ -5,7 +5,8 @@ ARC-Top-K's sketch agreement over lossy need besides `allreduce`.
 `shift(payload, incoming, step)` sends `payload` (uint8) to rank + 1 and returns the
 `incoming` bytes rank - 1 sent. Ring: its TCP streams to both neighbours; lossy: its TCP
 rendezvous mesh (every peer); gloo: torch.distributed's isend/irecv on the default group.
-Moshpit has no fixed neighbours: `shift_of` returns None for it.
+Each collective offers its own (`neighbour_exchange()`); Moshpit has no fixed neighbours, so
+none.
 """
 
 from __future__ import annotations
@@ -95,22 +96,17 @@ class GlooShift:
         pass
 
 
-def shift_of(inner: Any) -> Shift | None:
-    """The neighbour exchange the inner collective's transport allows, or None."""
-    if inner.world == 1:
+def mesh_shift(mesh: Any, rank: int, world: int, timeout: float) -> MeshShift | None:
+    """An exchange over `mesh` (a `StreamMesh`) if it holds streams to both neighbours, else
+    None (no mesh, a single worker, or a mesh that skips a neighbour)."""
+    if mesh is None or world == 1:
         return None
-    if inner.name == "gloo":
-        return GlooShift(inner.rank, inner.world)
-    mesh = getattr(inner, "mesh", None)
-    if mesh is None:
-        return None
-    neighbours = {(inner.rank - 1) % inner.world, (inner.rank + 1) % inner.world}
     try:
-        for peer in neighbours:
+        for peer in {(rank - 1) % world, (rank + 1) % world}:
             mesh[peer]
     except (KeyError, IndexError):
         return None
-    return MeshShift(mesh, inner.rank, inner.world, getattr(inner, "timeout", 30.0))
+    return MeshShift(mesh, rank, world, timeout)
 
 
 def all_gather(shift: Shift, payload: torch.Tensor, step: int) -> list[torch.Tensor]:

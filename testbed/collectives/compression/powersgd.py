@@ -23,7 +23,6 @@ import torch
 
 class PowerSGD:
     kind = "powersgd"
-    needs_shift = False
 
     def __init__(self, *, rank: int = 2, seed: int = 0, error_feedback: bool = True) -> None:
         if rank < 1:

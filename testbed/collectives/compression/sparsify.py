@@ -125,7 +125,9 @@ class Sparsifier:
     """The shared part: EF21M around a pattern-specific exchange (`_exchange`)."""
 
     kind = "sparse"
-    needs_shift = False
+
+    def set_shapes(self, shapes: Sequence[Sequence[int]]) -> None:
+        """Only ARC-Top-K uses the parameters' shapes (its sketch's rows)."""
 
     def __init__(self, *, density: float = 0.01, error_feedback: bool = True,
                  momentum: float = 1.0, resync_every: int = 0) -> None:
@@ -247,7 +249,6 @@ class TopK(Sparsifier):
     worker sums them in rank order (the same result everywhere)."""
 
     kind = "topk"
-    needs_shift = True
 
     def _exchange(self, call, x, tail, step):
         k = count_of(self.density, x.numel())

@@ -1,0 +1,225 @@
+"""Every collective kind and compressor kind, declared once: what a scenario may set, what the
+kind can do, where its implementation lives and how a worker places it.
+
+A kind's entry is all that the rest of the testbed knows of it: scenario validation and its
+JSON Schema read `options`, the worker reads `place` and `implementation`, scenario checks and
+the compression layer read `capabilities`. Adding a collective is its own module (a class
+deriving from `base.CollectiveBase`) plus one `register(Kind(...))` here (docs/collectives.md,
+"Adding a collective").
+
+Torch-free: `testbed scenario check` and `testbed compose` import this, not the collectives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from testbed.collectives.base import Capabilities
+
+Address = tuple[str, int]
+
+
+class CollectiveOptions(BaseModel):
+    """What a scenario's `collective` section may set for one kind (the rest comes from the
+    placement). A kind whose rejoin depends on its options says so in `rejoin_problem`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    def rejoin_problem(self, compressor: str) -> str | None:
+        """Why a restarted worker could not rejoin with these options and `compressor`
+        (None: it can, if the kind `takes_back` at all)."""
+        return None
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a worker is: what the cluster knows and a scenario's options do not."""
+
+    rank: int
+    world: int
+    hosts: Sequence[str]  # every worker's address, by rank
+    port: Callable[[str, int], int]  # port(name, rank): a named port of a worker
+    run_id: int = 0
+    mtu: int = 1500
+    congestion: str | None = None  # the worker's TCP congestion control
+    rejoining: bool = False  # restarted after a preemption
+
+    def at(self, port: str) -> list[Address]:
+        """Every worker's (address, port) of a named port, by rank."""
+        return [(self.hosts[r], self.port(port, r)) for r in range(self.world)]
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One collective kind: `implementation` is "module:Class" (imported on first use),
+    `place` gives the constructor's options that come from the `Placement`."""
+
+    name: str
+    implementation: str
+    options: type[CollectiveOptions]
+    capabilities: Capabilities
+    place: Callable[[Placement], dict[str, Any]]
+    summary: str
+
+
+@dataclass(frozen=True)
+class CompressorKind:
+    """One compressor kind: the parameters it takes, and whether it needs the inner
+    collective's reliable exchange (`needs_exchange`: it gathers payloads over it; `agrees`: it
+    agrees on a pattern, by an exact all-reduce where the inner is exact, else the exchange)."""
+
+    name: str
+    parameters: tuple[str, ...]
+    needs_exchange: bool = False
+    agrees: bool = False
+
+    def exchange_needed(self, inner: Capabilities) -> bool:
+        """Whether over a collective with these capabilities this compressor needs its
+        reliable exchange."""
+        return self.needs_exchange or (self.agrees and not inner.exact)
+
+
+_KINDS: dict[str, Kind] = {}
+
+
+def register(entry: Kind) -> Kind:
+    """Add a collective kind (its name must be new)."""
+    if entry.name in _KINDS:
+        raise ValueError(f"collective kind {entry.name!r} is registered already")
+    _KINDS[entry.name] = entry
+    return entry
+
+
+def kinds() -> tuple[str, ...]:
+    """The registered collective kinds, in registration order."""
+    return tuple(_KINDS)
+
+
+def kind(name: str) -> Kind:
+    """The entry of collective `name`; an unknown name is told what is allowed."""
+    try:
+        return _KINDS[name]
+    except KeyError:
+        raise ValueError(f"collective.kind: expected one of {', '.join(_KINDS)}, "
+                         f"got {name!r}") from None
+
+
+def with_capability(flag: str) -> list[str]:
+    """The kinds whose capabilities have `flag` set (for messages that name them)."""
+    return [name for name, entry in _KINDS.items() if getattr(entry.capabilities, flag)]
+
+
+# --- the collectives ----------------------------------------------------------------------------
+
+TIMEOUT_HELP = "Seconds a send or receive may take before the call fails."
+
+
+class RingOptions(CollectiveOptions):
+    timeout: float = Field(default=30.0, gt=0, description=TIMEOUT_HELP)
+
+
+class GlooOptions(CollectiveOptions):
+    timeout: float = Field(default=60.0, gt=0, description="Seconds torch.distributed waits "
+                           "for a peer (its process group's timeout).")
+
+
+class MoshpitOptions(CollectiveOptions):
+    group_size: int = Field(default=4, ge=1, description="Peers per group: the virtual grid's "
+                            "side.")
+    timeout: float = Field(default=5.0, gt=0, description="Seconds each phase of a round waits "
+                           "for a peer before leaving it out.")
+    heartbeat: float = Field(default=1.0, gt=0, description="Seconds between a peer's signs of "
+                             "life in the membership.")
+    expiry: float | None = Field(default=None, gt=0, description="Seconds of silence after "
+                                 "which a peer counts as gone (default: four heartbeats).")
+    rendezvous_timeout: float = Field(default=60.0, gt=0, description="Seconds every rank has "
+                                      "to register at the start.")
+
+
+class LossyOptions(CollectiveOptions):
+    rate: float | None = Field(default=None, gt=0, description="Bits/s each sender paces its "
+                               "datagrams at (null: unpaced).")
+    rcvbuf: int = Field(default=8 << 20, ge=4096, description="Bytes of each datagram socket's "
+                        "receive buffer.")
+    deadline_initial: float = Field(default=1.0, gt=0, description="Seconds of the transfer "
+                                    "deadline (from a peer's first chunk of a phase) until it "
+                                    "has learned from the calls.")
+    deadline_floor: float = Field(default=0.02, gt=0, description="Least seconds the learned "
+                                  "deadline may be.")
+    deadline_ceiling: float = Field(default=5.0, gt=0, description="Most seconds the learned "
+                                    "deadline may be.")
+    straggler_timeout: float = Field(default=5.0, gt=0, description="Seconds a peer that is "
+                                     "behind (its first chunk of a phase not yet sent) is "
+                                     "waited for.")
+    settle: float | None = Field(default=0.01, gt=0, description="Seconds of quiet after every "
+                                 "sender's stream ended before a phase closes (null: wait to "
+                                 "the deadline).")
+    resync_every: int = Field(default=0, ge=0, description="Every N steps the broadcast goes "
+                              "reliably over TCP, so every copy is exact again (0: never).")
+    timeout: float = Field(default=30.0, gt=0, description=TIMEOUT_HELP)
+
+    def rejoin_problem(self, compressor: str) -> str | None:
+        if self.resync_every:
+            return ("a restarted worker has no TCP streams to lossy's resync: set "
+                    "collective.resync_every to 0, or kill without restart")
+        if compressor != "none" and compressor_kind(compressor).exchange_needed(
+                kind("lossy").capabilities):
+            return (f"compressor {compressor} exchanges over lossy's TCP streams, which a "
+                    "restarted worker has not: use randk, powersgd or none")
+        return None
+
+
+register(Kind(
+    "ring", "testbed.collectives.ring:Ring", RingOptions,
+    Capabilities(exact=True, reliable_exchange=True),
+    lambda p: {"addresses": p.at("collective"), "run_id": p.run_id,
+               "congestion": p.congestion},
+    "reliable ring all-reduce over TCP (baseline)"))
+register(Kind(
+    "gloo", "testbed.collectives.gloo:Gloo", GlooOptions,
+    Capabilities(exact=True, reliable_exchange=True),
+    lambda p: {"master": (p.hosts[0], p.port("store", 0)),
+               "interface_address": p.hosts[p.rank]},
+    "torch.distributed's gloo all-reduce (baseline)"))
+register(Kind(
+    "moshpit", "testbed.collectives.moshpit:Moshpit", MoshpitOptions,
+    Capabilities(takes_back=True),
+    lambda p: {"store": (p.hosts[0], p.port("store", 0)), "listen": p.at("collective")[p.rank],
+               "run_id": p.run_id, "congestion": p.congestion},
+    "Moshpit averaging in groups on a virtual grid"))
+register(Kind(
+    "lossy", "testbed.collectives.lossy:Lossy", LossyOptions,
+    Capabilities(sharded_step=True, takes_back=True, reliable_exchange=True, datagrams=True),
+    lambda p: {"addresses": p.at("collective"), "stream_addresses": p.at("stream"),
+               "run_id": p.run_id, "mtu": p.mtu, "congestion": p.congestion,
+               "rejoining": p.rejoining},
+    "loss-tolerant all-reduce over unreliable datagrams"))
+
+
+# --- the compressors ----------------------------------------------------------------------------
+
+_SPARSIFIER = ("density", "error_feedback", "momentum", "resync_every")
+_QUANTIZER = ("group_size", "symmetric", "stochastic", "seed")
+COMPRESSORS: dict[str, CompressorKind] = {c.name: c for c in (
+    CompressorKind("none", ()),
+    CompressorKind("topk", _SPARSIFIER, needs_exchange=True),
+    CompressorKind("randk", (*_SPARSIFIER, "seed")),
+    CompressorKind("arc_topk", ("density", "block", "error_feedback", "momentum",
+                                "resync_every"), agrees=True),
+    CompressorKind("int8", _QUANTIZER, needs_exchange=True),
+    CompressorKind("int4", _QUANTIZER, needs_exchange=True),
+    CompressorKind("powersgd", ("rank", "error_feedback", "seed")),
+)}
+
+
+def compressor_kind(name: str) -> CompressorKind:
+    """The entry of compressor `name`; an unknown name is told what is allowed."""
+    try:
+        return COMPRESSORS[name]
+    except KeyError:
+        raise ValueError(f"compressor.kind: expected one of {', '.join(COMPRESSORS)}, "
+                         f"got {name!r}") from None
