@@ -46,7 +46,9 @@ def test_sixteen_workers_every_pair_has_its_rule_and_changes_land():
         assert len(set(lab_namespaces(network.prefix))) == WORKERS + 1
         for dst in range(WORKERS):
             rules = netem.show(network.switch_port(dst), netns=network.lab.switch)
-            assert set(rules) == {None} | {network.hosts[s] for s in range(WORKERS) if s != dst}
+            peers = {network.hosts[s] for s in range(WORKERS) if s != dst}
+            assert set(rules) == {None, network.control_address} | peers
+            assert rules[network.control_address] == LinkProfile()  # the run's own: unshaped
         assert kernel_table(network) == every_link("1%")
 
         network.set_links(every_link("3%"))
