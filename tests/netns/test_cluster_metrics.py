@@ -153,7 +153,9 @@ def test_lossy_drift_and_lost_datagrams_follow_a_link_that_starts_losing(tmp_pat
              if step.drift is not None}
     assert len(drift) == WORLD * STEPS, f"drift measured at {len(drift)} of {WORLD * STEPS}"
     wrong = {key: value for key, value in drift.items() if (value > 0) != (key[1] in stale)}
-    assert not wrong, f"drift against stale copies (steps missing a chunk: {sorted(stale)}): {wrong}"
+    assert not wrong, (
+        f"drift against stale copies (steps missing a chunk: {sorted(stale)}): {wrong}"
+    )
     # That some steps after the change were stale is near certain: owner 0 sends worker 1 at
     # least two parameter datagrams per step (shards are equal, so a sixth of what worker 1
     # receives in a clean step, three peers in two phases, is more than one datagram of at most
