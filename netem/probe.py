@@ -23,21 +23,18 @@ the spacing of their kernel arrival stamps while the shaper's queue is kept busy
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import ipaddress
 import math
-import os
 import secrets
 import select
 import socket
 import struct
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 import numpy as np
-from pyroute2 import IPRoute
 
+from netem.namespace import NamespaceError, udp_socket_in
 from netem.profile import LinkProfile
 
 MAGIC = b"NPRB"
@@ -78,7 +75,6 @@ LINGER_MARGIN = 0.05  # extra wait after an end marker for probes still held by 
 # Linux socket options that Python's socket module does not name.
 SO_NO_CHECK, SO_RCVBUFFORCE, SO_TIMESTAMPNS, SO_RXQ_OVFL = 11, 33, 35, 40
 UDP_SEGMENT, IP_MTU = 103, 14
-CLONE_NEWNET = 0x40000000
 RECEIVE_BUFFER = 64 << 20  # holds a whole bulk train that is drained only after it was sent
 GSO_MAX_BYTES = 65_000
 GSO_MAX_SEGMENTS = 64
@@ -650,52 +646,15 @@ def _reorder_check(configured: LinkProfile, result: ProbeResult) -> Check:
 
 
 # ---------------------------------------------------------------------------------------------
-# Sockets in namespaces
+# Sending and receiving
 
 
-def _namespace_path(netns: str) -> str:
-    """A name under /run/netns (as `ip netns` makes them) or a path such as /proc/PID/ns/net."""
-    return netns if "/" in netns else f"/run/netns/{netns}"
-
-
-@contextlib.contextmanager
-def inside(netns: str | None) -> Iterator[None]:
-    """Run the body with this thread in another network namespace; sockets made there stay."""
-    if netns is None:
-        yield
-        return
-    libc = ctypes.CDLL(None, use_errno=True)
+def _udp_socket(netns: str | None) -> socket.socket:
+    """A UDP socket in `netns`; a namespace that cannot be entered is a ProbeError."""
     try:
-        target = os.open(_namespace_path(netns), os.O_RDONLY | os.O_CLOEXEC)
-    except OSError as exc:
-        raise ProbeError(f"network namespace {netns!r}: {exc.strerror}") from None
-    home = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        if libc.setns(target, CLONE_NEWNET) != 0:
-            error = ctypes.get_errno()
-            raise ProbeError(f"network namespace {netns!r}: setns: {os.strerror(error)}")
-        try:
-            yield
-        finally:
-            if libc.setns(home, CLONE_NEWNET) != 0:  # pragma: no cover - cannot fail for home
-                raise OSError(ctypes.get_errno(), "setns back to the original namespace")
-    finally:
-        os.close(target)
-        os.close(home)
-
-
-def netlink_in(netns: str | None) -> IPRoute:
-    """A netlink socket in `netns` (use it as a context manager), made by this thread from
-    inside it: pyroute2's own `IPRoute(netns=...)` forks a helper for that, which costs tens of
-    milliseconds in a process as large as one that imported torch."""
-    with inside(netns):
-        return IPRoute()
-
-
-def udp_socket_in(netns: str | None) -> socket.socket:
-    """A UDP socket in `netns`, made by this thread from inside it."""
-    with inside(netns):
-        return socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        return udp_socket_in(netns)
+    except NamespaceError as exc:
+        raise ProbeError(str(exc)) from None
 
 
 class _Receiver:
@@ -713,7 +672,7 @@ class _Receiver:
         capacity: int,
     ) -> None:
         self.run, self.size, self.keep, self.capacity = run, size, keep, capacity
-        self.sock = udp_socket_in(netns)
+        self.sock = _udp_socket(netns)
         try:
             self.sock.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, RECEIVE_BUFFER)
             self.sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
@@ -812,7 +771,7 @@ class _Sender:
         size: int,
         checksum: bool,
     ) -> None:
-        self.sock = udp_socket_in(netns)
+        self.sock = _udp_socket(netns)
         if not checksum:
             self.sock.setsockopt(socket.SOL_SOCKET, SO_NO_CHECK, 1)
         self.destination, self.run, self.size = destination, run, size
@@ -983,7 +942,7 @@ def measure_rate(
     """
     _check_address(address)
     run = secrets.randbits(32)
-    probe_sock = udp_socket_in(source)
+    probe_sock = _udp_socket(source)
     try:
         probe_sock.connect((address, 9))
         mtu = probe_sock.getsockopt(socket.IPPROTO_IP, IP_MTU)
