@@ -34,9 +34,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import ClassVar, Literal, get_args
 
-from netem.netlink import format_handle, netem_tc_args
 from netem.offload import ETHTOOL_NAMES
 from netem.profile import LinkProfile, ProfileError
+from netem.tc import format_handle, netem_tc_args
 from netem.units import format_rate
 
 Direction = Literal["egress", "ingress"]
