@@ -195,7 +195,7 @@ def usable(backend: Literal["auto", "netem", "fallback"]) -> Backend:
         raise UnsupportedByKernel(
             "backend: netem needs sch_netem, which this kernel lacks; use backend 'fallback' "
             "(loss, rate and limit only) or run in the UML sandbox, whose kernel has netem: "
-            "`testbed sandbox run -- CMD` (docs/sandbox.md)"
+            "`python -m netem.sandbox run -- CMD` (docs/sandbox.md)"
         )
     return resolved
 
