@@ -8,7 +8,8 @@ inside touch nothing on the host.
 `prepare` fetches Debian's user-mode-linux package (sid; the bookworm and trixie builds panic at
 boot on these CPUs) with a glibc new enough for it (trixie), patches the binary to use that glibc,
 verifies that the kernel boots and can add a netem qdisc, and caches the result outside the
-repository. `run` boots a guest per command. `python -m netem.sandbox` is the command line
+repository. `run` boots a guest per command. The packages come from the Debian mirror the host's
+own apt uses (`netem.sandbox.mirror`). `python -m netem.sandbox` is the command line
 (`netem.sandbox.cli`).
 """
 
@@ -34,11 +35,12 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from netem.sandbox.mirror import apt_mirror
+
 # What was verified to work here; `prepare` falls back to the newest when the mirror drops them.
 PINNED_UML = "7.2um1"
 PINNED_LIBC = "2.41-12+deb13u4"
-MIRROR = "http://deb.debian.org/debian"
-SUITES = ("sid", "trixie")
+SUITES = ("sid", "trixie")  # fetched from the host's mirror (`apt_mirror`)
 KEYRING = Path("/usr/share/keyrings/debian-archive-keyring.gpg")
 STAMP_FORMAT = 1
 
@@ -274,8 +276,8 @@ def _locked(cache_dir: Path, quiet: bool) -> Iterator[None]:
 def prepare(cache_dir: Path | None = None, quiet: bool = False) -> UmlKernel:
     """The verified UML kernel, fetching and verifying it first if the cache lacks it.
 
-    Warm (stamp present): returns at once, without network. Cold: about 40 MB from the Debian
-    mirror. Concurrent calls wait for each other on a lock file in the cache.
+    Warm (stamp present): returns at once, without network. Cold: about 40 MB from the host's
+    Debian mirror. Concurrent calls wait for each other on a lock file in the cache.
     """
     cache_dir = (cache_dir or default_cache_dir()).resolve()
     kernel = read_stamp(cache_dir)
@@ -296,15 +298,19 @@ def prepare(cache_dir: Path | None = None, quiet: bool = False) -> UmlKernel:
             f"preparing the UML kernel: {KEYRING} is missing "
             "(apt-get install debian-archive-keyring)"
         )
+    try:
+        mirror = apt_mirror()
+    except LookupError as exc:
+        raise SandboxError(f"preparing the UML kernel: {exc}") from None
     cache_dir.mkdir(parents=True, exist_ok=True)
     with _locked(cache_dir, quiet):
         kernel = read_stamp(cache_dir)  # another prepare may have finished while we waited
         if kernel is None:
-            kernel = _build(cache_dir, quiet)
+            kernel = _build(cache_dir, quiet, mirror)
     return kernel
 
 
-def _build(cache_dir: Path, quiet: bool) -> UmlKernel:
+def _build(cache_dir: Path, quiet: bool, mirror: str) -> UmlKernel:
     started = time.monotonic()
     (cache_dir / "stamp.json").unlink(missing_ok=True)
     work = cache_dir / "work"
@@ -313,7 +319,7 @@ def _build(cache_dir: Path, quiet: bool) -> UmlKernel:
     (work / "archives" / "partial").mkdir(parents=True)
     sources = work / "sources.list"
     sources.write_text("".join(
-        f"deb [signed-by={KEYRING}] {MIRROR} {suite} main\n" for suite in SUITES
+        f"deb [signed-by={KEYRING}] {mirror} {suite} main\n" for suite in SUITES
     ))
     apt_options = [
         f"-oDir::Etc::SourceList={sources}", "-oDir::Etc::SourceParts=/dev/null",
@@ -323,9 +329,9 @@ def _build(cache_dir: Path, quiet: bool) -> UmlKernel:
         "-oAcquire::Languages=none", "-oAPT::Architecture=amd64", "-oAPT::Sandbox::User=root",
     ]
 
-    _say(quiet, f"updating a private package list ({', '.join(SUITES)}) from {MIRROR}")
+    _say(quiet, f"updating a private package list ({', '.join(SUITES)}) from {mirror}")
     _check(
-        f"apt-get update (is {MIRROR} reachable?)", ["apt-get", *apt_options, "-qq", "update"]
+        f"apt-get update (is {mirror} reachable?)", ["apt-get", *apt_options, "-qq", "update"]
     )
 
     def apt_cache(*args: str) -> str:

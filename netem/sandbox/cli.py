@@ -3,6 +3,7 @@
     python -m netem.sandbox prepare [--quiet]
     python -m netem.sandbox run [--timeout SECONDS] [--mem SIZE] -- CMD ARGS...
     python -m netem.sandbox pytest ARGS...
+    python -m netem.sandbox mirror
 
 Each command is a function that returns an exit code, so that another command line offers the
 same commands under its own name (`prog`, which starts its messages).
@@ -20,6 +21,7 @@ from typing import TypeVar
 
 from netem import sandbox
 from netem.capabilities import netem_available
+from netem.sandbox.mirror import apt_mirror
 
 PROG = "python -m netem.sandbox"
 PYTEST_MEM = "4G"  # tests may run whole labs of workers in the guest (its pages are lazy)
@@ -88,6 +90,16 @@ def pytest_command(args: Sequence[str], *, prog: str = PROG) -> int:
     return result.returncode
 
 
+def mirror_command(*, prog: str = PROG) -> int:
+    """Print the Debian mirror the sandbox fetches from (the host's, or $TESTBED_APT_MIRROR)."""
+    try:
+        print(apt_mirror())
+    except LookupError as exc:
+        _say(prog, str(exc))
+        return 1
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog=PROG,
@@ -109,6 +121,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                      help="The command to run, after --.")
     # pytest's own options pass through untouched, --help included.
     commands.add_parser("pytest", add_help=False, help="run pytest where netem is")
+    commands.add_parser("mirror", help="print the Debian mirror the sandbox fetches from")
 
     args, rest = parser.parse_known_args(argv)
     if args.command == "pytest":
@@ -117,6 +130,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "prepare":
         return prepare_command(quiet=args.quiet)
+    if args.command == "mirror":
+        return mirror_command()
     command = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
     if not command:
         run.error("the command to run is missing (put it after --)")

@@ -259,8 +259,8 @@ def test_default_cache_is_outside_the_repository(monkeypatch, tmp_path):
 
 
 MADISON = """\
-user-mode-linux |     7.3um1 | http://deb.debian.org/debian sid/main amd64 Packages
-user-mode-linux | 6.12.38-1um1 | http://deb.debian.org/debian trixie/main amd64 Packages
+user-mode-linux |     7.3um1 | http://mirror.invalid/debian sid/main amd64 Packages
+user-mode-linux | 6.12.38-1um1 | http://mirror.invalid/debian trixie/main amd64 Packages
 """
 
 

@@ -65,3 +65,14 @@ def test_guarded_reports_errors_with_an_exit_code(error, code, capsys):
 
 def test_guarded_returns_what_the_call_returns():
     assert cli.guarded(lambda: 42) == 42
+
+
+def test_mirror_without_one_is_a_message_and_exit_code_1(monkeypatch, capsys):
+    def nowhere() -> str:
+        raise LookupError("no Debian mirror found in /etc/apt/sources.list")
+
+    monkeypatch.setattr(cli, "apt_mirror", nowhere)
+    assert cli.main(["mirror"]) == 1
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err == "python -m netem.sandbox: no Debian mirror found in /etc/apt/sources.list\n"
