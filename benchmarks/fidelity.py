@@ -1,7 +1,7 @@
 """Fidelity benchmark: configure links, measure them with probe trains, tabulate both.
 
 Full netem runs where the kernel has sch_netem: here, inside a User-Mode Linux guest
-(testbed.sandbox), because the host kernel has none. The fallback (nftables loss, htb rate) runs
+(netem.sandbox), because the host kernel has none. The fallback (nftables loss, htb rate) runs
 on the host. Writes benchmarks/results/fidelity.md.
 
     .venv/bin/python benchmarks/fidelity.py [--output PATH]
@@ -130,7 +130,7 @@ def netem_outcomes() -> tuple[list[Outcome], str]:
     """The netem cases, here if this kernel has netem, else in a guest."""
     if netem_available():
         return run_cases(NETEM_CASES, "netem"), "host kernel"
-    from testbed import sandbox
+    from netem import sandbox
 
     kernel = sandbox.prepare(quiet=True)
     with tempfile.TemporaryDirectory(prefix="tb-fidelity-") as tmp:

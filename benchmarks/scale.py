@@ -321,7 +321,7 @@ pyroute2 makes a socket in another namespace by forking a helper, and `netns.cre
 in a process that has imported torch (the runner has: the scenario model needs it) each fork
 cost 30-45 ms, four or more per host. The lab now adds namespaces with `ip netns add` (spawned,
 not forked) and makes its netlink and ethtool sockets from a thread that entered the
-namespace (`netem.probe.netlink_in`), as the shaping backend does: the plain 32-worker
+namespace (`netem.namespace.netlink_in`), as the shaping backend does: the plain 32-worker
 network went from 2.4-4.1 s to 0.65-0.95 s. `ClusterNetwork` builds hosts and shapes ports in
 8 threads, records what it installed (a change reads nothing back) and puts the fallback's loss
 changes of all receivers into one `nft -f` transaction. The announced layout's set-up is

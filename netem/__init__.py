@@ -1,4 +1,5 @@
-"""Link shaping with the kernel's netem, usable on its own: profiles, backends, probes."""
+"""Link shaping with the kernel's netem, usable on its own: profiles, backends, probes, and a
+User-Mode Linux sandbox for kernels without netem (`python -m netem.sandbox`)."""
 
 import pyroute2.config
 

@@ -32,6 +32,7 @@ from pyroute2.netlink.rtnl import TC_H_INGRESS, TC_H_ROOT
 
 from netem import netlink
 from netem.capabilities import netem_available
+from netem.namespace import NamespaceError, netlink_in
 from netem.offload import set_offloads
 from netem.plan import (
     DEFAULT_MINOR,
@@ -64,7 +65,6 @@ from netem.plan import (
     render_commands,
     source_key,
 )
-from netem.probe import ProbeError, netlink_in
 from netem.profile import LinkProfile
 
 ETH_P_ALL, ETH_P_IP = 0x0003, 0x0800
@@ -195,7 +195,7 @@ def usable(backend: Literal["auto", "netem", "fallback"]) -> Backend:
         raise UnsupportedByKernel(
             "backend: netem needs sch_netem, which this kernel lacks; use backend 'fallback' "
             "(loss, rate and limit only) or run in the UML sandbox, whose kernel has netem: "
-            "`testbed sandbox run -- CMD` (docs/sandbox.md)"
+            "`python -m netem.sandbox run -- CMD` (docs/sandbox.md)"
         )
     return resolved
 
@@ -455,7 +455,7 @@ def _netlink(netns: str | None) -> Iterator[IPRoute]:
     """A netlink socket in the namespace; a missing namespace is an error, never created."""
     try:
         ipr = netlink_in(netns)
-    except ProbeError:
+    except NamespaceError:
         raise ShapingError(f"network namespace {netns!r} does not exist") from None
     with ipr:
         yield ipr

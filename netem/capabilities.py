@@ -20,6 +20,8 @@ from pathlib import Path
 from pyroute2 import NetNS, netns
 from pyroute2.netlink.exceptions import NetlinkError
 
+from netem.sandbox import cached_kernel, default_cache_dir, describe
+
 NETNS_PREFIX = "tbcap-"
 KERNEL_FEATURES = (
     "netns", "veth", "ifb", "netem", "htb", "tbf", "u32", "ingress", "mirred", "nftables", "numgen",
@@ -60,7 +62,7 @@ _detected: Capabilities | None = None
 
 
 def detect(*, refresh: bool = False) -> Capabilities:
-    """Everything `testbed doctor` reports; cached for the life of the process."""
+    """Every capability, found by trying; cached for the life of the process."""
     global _detected
     if _detected is None or refresh:
         kernel, kernel_details = probe_kernel(refresh=refresh)
@@ -251,8 +253,6 @@ def _compose() -> tuple[bool, str]:
 
 
 def _uml_kernel() -> tuple[bool, str]:
-    from testbed.sandbox import cached_kernel, default_cache_dir, describe
-
     kernel = cached_kernel()
     if kernel is None:
         return False, f"not prepared in {default_cache_dir()}"
@@ -277,8 +277,9 @@ CONSEQUENCES: dict[str, tuple[str, str]] = {
     "netem": (
         "full shaping on this kernel: delay, jitter, reorder, duplicate, corrupt, bursty loss",
         "delay/jitter/reorder/duplicate/corrupt/bursty loss need the UML sandbox: "
-        "`testbed sandbox prepare`, then `testbed sandbox run -- CMD` or `testbed sandbox "
-        "pytest`; on this host the fallback does random loss (nftables) and rate (htb/tbf) only",
+        "`python -m netem.sandbox prepare`, then `python -m netem.sandbox run -- CMD` or "
+        "`python -m netem.sandbox pytest`; on this host the fallback does random loss "
+        "(nftables) and rate (htb/tbf) only",
     ),
     "htb": ("per-source rate classes (fallback rate shaping)", "no per-source rate classes"),
     "tbf": ("token-bucket rate limits", "no token-bucket rate limits"),
@@ -303,7 +304,7 @@ CONSEQUENCES: dict[str, tuple[str, str]] = {
         "install Docker Compose: the v2 plugin, or Debian's docker-compose (v1)",
     ),
     "uml_kernel": (
-        "the UML sandbox is ready: `testbed sandbox run -- CMD`",
-        "`testbed sandbox prepare` fetches and verifies it once (about 40 MB, 15 s)",
+        "the UML sandbox is ready: `python -m netem.sandbox run -- CMD`",
+        "`python -m netem.sandbox prepare` fetches and verifies it once (about 40 MB, 15 s)",
     ),
 }

@@ -26,8 +26,8 @@ from pathlib import Path
 
 from pyroute2 import IPRoute, netns
 
+from netem.namespace import netlink_in
 from netem.offload import set_offloads
-from netem.probe import netlink_in
 
 NAME_PREFIX = "tb"
 DEFAULT_SUBNET = "198.18.0.0/24"  # RFC 2544 benchmarking range: never routed anywhere

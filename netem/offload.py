@@ -17,7 +17,7 @@ import os
 
 from pyroute2.ethtool.ioctl import IoctlEthtool
 
-from netem.probe import udp_socket_in
+from netem.namespace import udp_socket_in
 
 # ethtool's short names -> the kernel's feature names (`ethtool -k` shows both). UFO (UDP
 # fragmentation offload) left the kernel in 4.14; USO (UDP segmentation) is what replaced it.

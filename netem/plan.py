@@ -2,7 +2,7 @@
 
 A plan is built from an interface, a direction and rules ({source: profile}; None is everyone
 else). It is a list of small steps, each of which renders to the `tc`/`nft`/`ip`/`ethtool`
-command line doing the same thing (`testbed shape --dry-run` prints them), and which
+command line doing the same thing (`render_commands`, for dry runs), and which
 `netem.backend` carries out through netlink. Nothing here needs root or does I/O.
 
 Where the shaping happens (DESIGN: shape where the wire is): a drop on the sender's own egress is
@@ -34,9 +34,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import ClassVar, Literal, get_args
 
-from netem.netlink import format_handle, netem_tc_args
 from netem.offload import ETHTOOL_NAMES
 from netem.profile import LinkProfile, ProfileError
+from netem.tc import format_handle, netem_tc_args
 from netem.units import format_rate
 
 Direction = Literal["egress", "ingress"]
@@ -452,5 +452,6 @@ def _check_fallback(rules: tuple[Rule, ...]) -> None:
         raise UnsupportedByKernel(
             f"the fallback cannot shape {'; '.join(problems)}: these need sch_netem, which this "
             "kernel lacks (the fallback does loss, rate and limit only). Run the command in the "
-            "UML sandbox, whose kernel has netem: `testbed sandbox run -- CMD` (docs/sandbox.md)"
+            "UML sandbox, whose kernel has netem: `python -m netem.sandbox run -- CMD` "
+            "(docs/sandbox.md)"
         )

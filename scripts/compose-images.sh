@@ -29,11 +29,12 @@ fi
 if ! docker image inspect "$BASE" >/dev/null 2>&1; then
     tarball="$CACHE/bookworm-base.tar"
     if [[ ! -f "$tarball" ]]; then
-        echo "compose-images: debootstrap of the base (once, ~70 s)"
+        mirror=$("$VENV/bin/python" -m netem.sandbox mirror)  # the host's own (docs/sandbox.md)
+        echo "compose-images: debootstrap of the base from $mirror (once, ~70 s)"
         root=$(mktemp -d)
         debootstrap --variant=minbase \
             --include=python3,python3-venv,iproute2,iptables,nftables,iputils-ping,ca-certificates \
-            bookworm "$root" http://deb.debian.org/debian >/dev/null
+            bookworm "$root" "$mirror" >/dev/null
         tar -C "$root" -cf "$tarball.part" . && mv "$tarball.part" "$tarball"
         rm -rf "$root"
     fi

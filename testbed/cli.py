@@ -41,8 +41,8 @@ def clean() -> None:
 
     from netem.capabilities import remove_orphan_probes
     from netem.lab import remove_namespaces
+    from netem.sandbox import remove_stale_workdirs
     from testbed.compose import remove_projects
-    from testbed.sandbox import remove_stale_workdirs
 
     removed = remove_namespaces(orphans_only=True) + remove_orphan_probes()
     stale = remove_stale_workdirs()
@@ -363,9 +363,10 @@ sandbox_app = typer.Typer(
     no_args_is_help=True,
 )
 app.add_typer(sandbox_app, name="sandbox")
+SANDBOX = "testbed sandbox"  # how the sandbox's messages start here
 PASS_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True}
 GUEST_MEM = "4G"  # a guest that runs whole scenarios (the host has far more; pages are lazy)
-GUEST_TIMEOUT = 3600.0  # seconds a guest's pytest or run may take
+GUEST_TIMEOUT = 3600.0  # seconds a guest's run may take
 
 
 @sandbox_app.command("prepare")
@@ -375,11 +376,9 @@ def sandbox_prepare(
     ] = False,
 ) -> None:
     """Fetch, patch and verify the UML kernel once; later calls return at once from the cache."""
-    from testbed import sandbox
+    from netem.sandbox.cli import prepare_command
 
-    kernel = _sandbox_call(lambda: sandbox.prepare(quiet=quiet))
-    if not quiet:
-        typer.echo(sandbox.describe(kernel))
+    raise typer.Exit(prepare_command(quiet=quiet, prog=SANDBOX))
 
 
 @sandbox_app.command("run", context_settings=PASS_THROUGH)
@@ -389,69 +388,29 @@ def sandbox_run(
     mem: Annotated[str, typer.Option(help="Guest memory, e.g. 512M or 2G.")] = "1G",
 ) -> None:
     """Run a command as root in a fresh guest, here in this directory; exit with its code."""
-    from testbed import sandbox
+    from netem.sandbox.cli import run_command
 
-    result = _sandbox_call(lambda: sandbox.run(command, timeout=timeout, mem=mem))
-    raise typer.Exit(result.returncode)
+    raise typer.Exit(run_command(command, timeout=timeout, mem=mem, prog=SANDBOX))
 
 
 @sandbox_app.command("pytest", context_settings=PASS_THROUGH)
 def sandbox_pytest(ctx: typer.Context) -> None:
     """Run `python -m pytest ARGS` where netem exists: directly if this kernel has it, else in
     a guest."""
-    import subprocess
-    import sys
+    from netem.sandbox.cli import pytest_command
 
-    from netem.capabilities import netem_available
-    from testbed import sandbox
-
-    argv = [sys.executable, "-m", "pytest", *ctx.args]
-    if netem_available():
-        typer.echo("testbed sandbox: this kernel has netem: running pytest on the host", err=True)
-        raise typer.Exit(subprocess.run(argv).returncode)
-    kernel = _sandbox_call(sandbox.prepare)
-    typer.echo(
-        f"testbed sandbox: this kernel has no netem: running pytest in a guest "
-        f"({sandbox.describe(kernel)})",
-        err=True,
-    )
-    result = _sandbox_call(lambda: sandbox.run(argv, kernel=kernel, mem=GUEST_MEM,
-                                               timeout=GUEST_TIMEOUT))
-    raise typer.Exit(result.returncode)
+    raise typer.Exit(pytest_command(ctx.args, prog=SANDBOX))
 
 
 _T = TypeVar("_T")
 
 
 def _sandbox_call(call: Callable[[], _T]) -> _T:
-    """Turn the sandbox's errors into a message and an exit code (124 on timeout, like
-    `timeout`), not a traceback."""
-    import os
-    import signal
-    import sys
+    """`call()`, its sandbox errors a `testbed sandbox: ...` message and an exit code (124 on
+    timeout), not a traceback."""
+    from netem.sandbox.cli import guarded
 
-    from testbed.sandbox import GuestTimeout, SandboxError
-
-    caller = os.getpid()
-
-    def on_sigterm(*_: object) -> None:
-        # SIGTERM (a CI timeout, `kill`) unwinds like Ctrl-C, so the guest and its files go too;
-        # a forked helper holding a copy of this stack just ends, leaving the clean-ups to us.
-        if os.getpid() != caller:
-            os._exit(143)
-        sys.exit(143)
-
-    previous = signal.signal(signal.SIGTERM, on_sigterm)
-    try:
-        return call()
-    except GuestTimeout as exc:
-        typer.echo(f"testbed sandbox: {exc}", err=True)
-        raise typer.Exit(124) from None
-    except (SandboxError, ValueError) as exc:  # ValueError: a bad argument, e.g. --mem
-        typer.echo(f"testbed sandbox: {exc}", err=True)
-        raise typer.Exit(1) from None
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    return guarded(call, prog=SANDBOX)
 
 
 @app.command()
@@ -700,7 +659,7 @@ def _run_in_guest(path, name: str, steps: int | None, out: str | None) -> int:
     import sys
     from pathlib import Path
 
-    from testbed import sandbox
+    from netem import sandbox
     from testbed.cluster.runner import safe_name
 
     if out is None:

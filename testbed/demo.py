@@ -121,8 +121,8 @@ def measure_part(part: Part, say: Progress = lambda _: None) -> list[Measured]:
 
 def measure_in_guest(part: Part, say: Progress) -> list[Measured]:
     """Run `part` where netem exists: here if this kernel has it, else in a UML guest."""
+    from netem import sandbox
     from netem.capabilities import netem_available
-    from testbed import sandbox
 
     if netem_available():
         return measure_part(part, say)

@@ -1,6 +1,6 @@
 """Collectives whose workers sit in the namespaces of a lab (one worker per host, in threads of
 the test's process), for the netns and netem_kernel tiers. A thread that enters a namespace
-(`netem.probe.inside`) makes its sockets there, and so do the threads it starts: constructors
+(`netem.namespace.inside`) makes its sockets there, and so do the threads it starts: constructors
 and calls that may open connections or start senders run inside their worker's namespace."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from concurrently import concurrently
 
 from netem import LinkProfile, apply
 from netem.lab import Lab
-from netem.probe import inside
+from netem.namespace import inside
 from testbed.collectives.lossy import Lossy
 from testbed.collectives.moshpit import Moshpit
 from testbed.collectives.ring import Ring

@@ -15,7 +15,7 @@ import socket
 import threading
 from collections.abc import Sequence
 
-from netem.probe import inside
+from netem.namespace import inside
 
 CONNECT_TIMEOUT = 5.0  # seconds to reach a worker's endpoint from its namespace
 CHUNK = 1 << 16

@@ -31,7 +31,7 @@ from lab_collectives import (
 
 from netem import LinkProfile
 from netem.lab import Lab
-from netem.probe import inside
+from netem.namespace import inside
 from testbed.collectives.gloo import Gloo
 
 pytestmark = pytest.mark.netem_kernel

@@ -17,13 +17,13 @@ import pytest
 
 from netem import apply
 from netem.lab import Lab
+from netem.namespace import inside
 from netem.probe import (
     FRAME_OVERHEAD,
     HEADER_DTYPE,
     KIND_PROBE,
     ProbeResult,
     compare,
-    inside,
     offered_load,
     probe,
     run_train,

@@ -19,9 +19,10 @@ from pyroute2 import NetNS
 
 from netem import netlink
 from netem.lab import Lab
-from netem.netlink import add_netem, forget_annotations, netem_tc_args, read_netem
+from netem.netlink import add_netem, forget_annotations, read_netem
 from netem.probe import probe
 from netem.profile import LinkProfile
+from netem.tc import netem_tc_args
 
 pytestmark = pytest.mark.netem_kernel
 

@@ -160,7 +160,7 @@ def test_unsupported_profile_raises_and_leaves_nothing_behind(make_lab):
     lab = make_lab(2)
     port = lab.hosts[1].switch_port
     wan = LinkProfile.parse(delay="40ms", jitter="8ms", loss="2%")
-    with pytest.raises(UnsupportedByKernel, match=r"delay, jitter .*testbed sandbox run --"):
+    with pytest.raises(UnsupportedByKernel, match=r"delay, jitter .*netem.sandbox run --"):
         apply(port, {lab.hosts[0].address: wan}, netns=lab.switch, backend="fallback")
     assert_unshaped(lab.switch, port)
 

@@ -13,6 +13,7 @@ from scapy.layers.l2 import Ether
 from typer.testing import CliRunner
 
 from netem import apply
+from netem.namespace import inside
 from netem.probe import (
     DEFAULT_SIZE,
     FRAME_OVERHEAD,
@@ -21,7 +22,6 @@ from netem.probe import (
     STATUS_OK,
     compare,
     decode,
-    inside,
     offered_load,
     probe,
     run_train,

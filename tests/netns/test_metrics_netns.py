@@ -16,7 +16,7 @@ import torch
 from nft_drop import drop
 from prometheus_client.parser import text_string_to_metric_families
 
-from netem.probe import inside
+from netem.namespace import inside
 from testbed.metrics import WorkerMetrics
 from testbed.transport import Kind, Listener, Stream
 

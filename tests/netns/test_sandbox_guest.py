@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from testbed import sandbox
+from netem import sandbox
 from testbed.cli import app
 
 pytestmark = [
@@ -93,6 +93,15 @@ def test_cli_run_propagates_the_exit_code():
     result = CliRunner().invoke(app, ["sandbox", "run", "--", "sh", "-c", "echo hi; exit 7"])
     assert result.exit_code == 7, result.output
     assert "hi\n" in result.output
+
+
+def test_the_standalone_entry_point_runs_a_guest():
+    result = subprocess.run(
+        [sys.executable, "-m", "netem.sandbox", "run", "--", "sh", "-c", "echo hi; exit 7"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 7, result.stdout + result.stderr
+    assert result.stdout == "hi\n"
 
 
 def test_cli_reports_a_bad_argument_and_restores_the_sigterm_handler():

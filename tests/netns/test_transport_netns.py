@@ -20,7 +20,7 @@ import torch
 from nft_drop import drop
 
 from netem.lab import Host, Lab
-from netem.probe import inside
+from netem.namespace import inside
 from testbed.transport import (
     DatagramEndpoint,
     Kind,

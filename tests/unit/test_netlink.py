@@ -1,5 +1,5 @@
-"""netem's netlink encoding without a kernel: tc arguments, the attributes of the request, and
-the decoding back into a profile (a request and a dump share one layout)."""
+"""netem's netlink encoding without a kernel: the attributes of the request, and the decoding
+back into a profile (a request and a dump share one layout)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from pyroute2.netlink import NLA_F_NESTED
-from pyroute2.netlink.rtnl import TC_H_ROOT
 from pyroute2.netlink.rtnl.tcmsg import tcmsg
 
 from netem import netlink
@@ -22,12 +21,9 @@ from netem.netlink import (
     add_netem,
     distribution_table,
     forget_annotations,
-    format_handle,
-    netem_tc_args,
     profile_from_options,
     qdisc_request,
     read_netem,
-    tc_handle,
 )
 from netem.profile import GilbertElliott, LinkProfile
 
@@ -50,39 +46,6 @@ def options(profile: LinkProfile, command: str = "add") -> NetemOptions:
     decoded.decode()
     assert decoded.get_attr("TCA_KIND") == "netem"
     return decoded.nla("TCA_OPTIONS")
-
-
-@pytest.mark.parametrize(
-    ("profile", "args"),
-    [
-        (LinkProfile(), "limit 1000"),
-        (EXAMPLE, "limit 1000 delay 20ms 5ms 25% distribution normal loss random 1% rate 10mbit"),
-        (
-            LinkProfile.parse(gilbert_elliott=GE, limit=50),
-            "limit 50 loss gemodel 1% 20% 70% 0.1%",
-        ),
-        (
-            LinkProfile.parse(delay="10ms", reorder="25%", reorder_correlation="50%", gap=5),
-            "limit 1000 delay 10ms reorder 25% 50% gap 5",
-        ),
-        (
-            # tc sends no correlations for a lone duplicate correlation: an explicit 0% loss
-            # correlation makes it send them.
-            LinkProfile.parse(corrupt="0.5%", duplicate="2%", duplicate_correlation="10%"),
-            "limit 1000 loss random 0% 0% corrupt 0.5% duplicate 2% 10%",
-        ),
-        (
-            LinkProfile.parse(delay="1.5s", jitter="333ns", distribution="pareto", rate="1gbit"),
-            "limit 1000 delay 1500ms 333ns distribution pareto rate 1gbit",
-        ),
-        (
-            LinkProfile.parse(delay="20.000001ms", rate="123456bit"),
-            "limit 1000 delay 20000001ns rate 123456bit",
-        ),
-    ],
-)
-def test_netem_tc_args(profile, args):
-    assert netem_tc_args(profile) == args.split()
 
 
 def test_probabilities_are_u32_rounded_like_tc():
@@ -193,24 +156,6 @@ def test_unknown_table_says_where_it_looked(monkeypatch, tmp_path):
     monkeypatch.setenv("TC_LIB_DIR", str(tmp_path))
     with pytest.raises(FileNotFoundError, match=f"experimental2.dist.*{tmp_path}.*TC_LIB_DIR"):
         distribution_table("experimental2")
-
-
-@pytest.mark.parametrize(
-    ("text", "value"),
-    [("root", TC_H_ROOT), ("1:", 0x10000), ("1:0", 0x10000), ("1:a", 0x1000A), (0x20003, 0x20003)],
-)
-def test_handles(text, value):
-    assert tc_handle(text) == value
-
-
-@pytest.mark.parametrize("text", ["1", "x:", "1:g", ""])
-def test_bad_handles(text):
-    with pytest.raises(ValueError, match="expected a handle"):
-        tc_handle(text)
-
-
-def test_format_handle():
-    assert [format_handle(h) for h in (0x10000, 0x1000A, TC_H_ROOT)] == ["1:", "1:a", "root"]
 
 
 def test_bad_command():

@@ -221,7 +221,7 @@ def test_fallback_refuses_what_only_netem_does_and_names_it():
     message = str(caught.value)
     assert "delay, jitter (from 198.18.0.1)" in message
     assert "duplicate, duplicate_correlation (everyone else)" in message
-    assert "sch_netem" in message and "testbed sandbox run --" in message
+    assert "sch_netem" in message and "python -m netem.sandbox run --" in message
     assert "loss" not in message.split("(the fallback does")[0]
     assert isinstance(caught.value, ProfileError)
     for fields in ({"gilbert_elliott": {"p": "1%"}}, {"loss": "1%", "loss_correlation": "5%"},

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from testbed import sandbox
-from testbed.sandbox import (
+from netem import sandbox
+from netem.sandbox import (
     PINNED_LIBC,
     PINNED_UML,
     ConsoleSplitter,
@@ -45,7 +45,7 @@ def make_script(**overrides) -> str:
 def job_of(script: str) -> str:
     """The shell text between the start and end markers: the job and its exit-code report."""
     after_start = script.split("-start@@\n", 1)[1]
-    return after_start.split("\necho @@testbed-guest-", 1)[0]
+    return after_start.split("\necho @@sandbox-guest-", 1)[0]
 
 
 @pytest.mark.parametrize("tty", [True, False])
@@ -70,10 +70,10 @@ def test_init_script_prepares_the_guest_before_the_job():
         "echo /tmp/tb-uml-x/modprobe >/proc/sys/kernel/modprobe",
         "modprobe -a -q -d /cache/kernel/modroot veth bridge sch_netem",
         "ip link set lo up",
-        "echo @@testbed-guest-t0k3n-start@@",
+        "echo @@sandbox-guest-t0k3n-start@@",
         "exec env -i --",
         "echo $? >/tmp/tb-uml-x/rc",
-        "echo @@testbed-guest-t0k3n-end@@",
+        "echo @@sandbox-guest-t0k3n-end@@",
         "echo o >/proc/sysrq-trigger",
         "while :; do sleep 1; done",
     ]
@@ -146,13 +146,13 @@ def test_console_shows_warnings_and_the_job_and_drops_boot_noise_and_power_off()
     console = ConsoleSplitter("tok")
     stream = (
         b"Failed to initialize ubd device 0 :Couldn't determine size of device's file\n"
-        b"testbed-sandbox: could not load every module of: sch_netem\n"
+        b"sandbox: could not load every module of: sch_netem\n"
         + start + b"\nline one\nno newline at the end" + end + b"\nsysrq: Power Off\n"
     )
     shown = b"".join(console.feed(stream[i : i + 5]) for i in range(0, len(stream), 5))
     shown += console.finish()
     assert shown == (
-        b"testbed-sandbox: could not load every module of: sch_netem\n"
+        b"sandbox: could not load every module of: sch_netem\n"
         b"line one\nno newline at the end"
     )
     assert bytes(console.raw) == stream
@@ -170,8 +170,8 @@ def test_console_holds_back_only_what_could_be_the_end_marker():
 def test_console_without_an_end_marker_gives_everything_back():
     start, _ = guest_markers("tok")
     console = ConsoleSplitter("tok")
-    shown = console.feed(start + b"\nKernel panic - not syncing: @@testbed-guest-t")
-    assert shown + console.finish() == b"Kernel panic - not syncing: @@testbed-guest-t"
+    shown = console.feed(start + b"\nKernel panic - not syncing: @@sandbox-guest-t")
+    assert shown + console.finish() == b"Kernel panic - not syncing: @@sandbox-guest-t"
 
 
 def fake_cache(cache: Path, uml: str = PINNED_UML, libc: str = PINNED_LIBC) -> UmlKernel:
@@ -259,8 +259,8 @@ def test_default_cache_is_outside_the_repository(monkeypatch, tmp_path):
 
 
 MADISON = """\
-user-mode-linux |     7.3um1 | http://deb.debian.org/debian sid/main amd64 Packages
-user-mode-linux | 6.12.38-1um1 | http://deb.debian.org/debian trixie/main amd64 Packages
+user-mode-linux |     7.3um1 | http://mirror.invalid/debian sid/main amd64 Packages
+user-mode-linux | 6.12.38-1um1 | http://mirror.invalid/debian trixie/main amd64 Packages
 """
 
 

@@ -8,7 +8,9 @@ inside touch nothing on the host.
 `prepare` fetches Debian's user-mode-linux package (sid; the bookworm and trixie builds panic at
 boot on these CPUs) with a glibc new enough for it (trixie), patches the binary to use that glibc,
 verifies that the kernel boots and can add a netem qdisc, and caches the result outside the
-repository. `run` boots a guest per command.
+repository. `run` boots a guest per command. The packages come from the Debian mirror the host's
+own apt uses (`netem.sandbox.mirror`). `python -m netem.sandbox` is the command line
+(`netem.sandbox.cli`).
 """
 
 from __future__ import annotations
@@ -33,11 +35,12 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from netem.sandbox.mirror import apt_mirror
+
 # What was verified to work here; `prepare` falls back to the newest when the mirror drops them.
 PINNED_UML = "7.2um1"
 PINNED_LIBC = "2.41-12+deb13u4"
-MIRROR = "http://deb.debian.org/debian"
-SUITES = ("sid", "trixie")
+SUITES = ("sid", "trixie")  # fetched from the host's mirror (`apt_mirror`)
 KEYRING = Path("/usr/share/keyrings/debian-archive-keyring.gpg")
 STAMP_FORMAT = 1
 
@@ -57,6 +60,8 @@ OPTIONAL_MODULES = ("nf_tables", "nft_numgen", "xt_statistic", "sch_fq", "tcp_bb
 CONSOLE_NOISE = (b"Failed to initialize ubd device 0",)
 # Exit code of `run` when the guest stopped without reporting one (crash, panic, OOM).
 GUEST_DIED = 125
+DEFAULT_MEM = "1G"  # a guest's memory
+DEFAULT_TIMEOUT = 1800.0  # seconds a guest may run
 
 
 class SandboxError(RuntimeError):
@@ -233,7 +238,7 @@ def libc_minimum(control: str) -> str | None:
 
 def _say(quiet: bool, message: str) -> None:
     if not quiet:
-        print(f"testbed sandbox: {message}", file=sys.stderr, flush=True)
+        print(f"sandbox: {message}", file=sys.stderr, flush=True)
 
 
 def _need_tools(step: str, tools: Mapping[str, str], path: str | None = None) -> None:
@@ -244,8 +249,8 @@ def _need_tools(step: str, tools: Mapping[str, str], path: str | None = None) ->
         names = ", ".join(missing)
         packages = " ".join(sorted(set(missing.values())))
         raise SandboxError(
-            f"{step}: {names} not found. Install them (`apt-get install {packages}`, "
-            "or run scripts/bootstrap.sh, which installs everything the testbed needs)."
+            f"{step}: {names} not found. Install them (`apt-get install {packages}`; "
+            "in this repository, scripts/bootstrap.sh installs everything)."
         )
 
 
@@ -271,8 +276,8 @@ def _locked(cache_dir: Path, quiet: bool) -> Iterator[None]:
 def prepare(cache_dir: Path | None = None, quiet: bool = False) -> UmlKernel:
     """The verified UML kernel, fetching and verifying it first if the cache lacks it.
 
-    Warm (stamp present): returns at once, without network. Cold: about 40 MB from the Debian
-    mirror. Concurrent calls wait for each other on a lock file in the cache.
+    Warm (stamp present): returns at once, without network. Cold: about 40 MB from the host's
+    Debian mirror. Concurrent calls wait for each other on a lock file in the cache.
     """
     cache_dir = (cache_dir or default_cache_dir()).resolve()
     kernel = read_stamp(cache_dir)
@@ -293,15 +298,19 @@ def prepare(cache_dir: Path | None = None, quiet: bool = False) -> UmlKernel:
             f"preparing the UML kernel: {KEYRING} is missing "
             "(apt-get install debian-archive-keyring)"
         )
+    try:
+        mirror = apt_mirror()
+    except LookupError as exc:
+        raise SandboxError(f"preparing the UML kernel: {exc}") from None
     cache_dir.mkdir(parents=True, exist_ok=True)
     with _locked(cache_dir, quiet):
         kernel = read_stamp(cache_dir)  # another prepare may have finished while we waited
         if kernel is None:
-            kernel = _build(cache_dir, quiet)
+            kernel = _build(cache_dir, quiet, mirror)
     return kernel
 
 
-def _build(cache_dir: Path, quiet: bool) -> UmlKernel:
+def _build(cache_dir: Path, quiet: bool, mirror: str) -> UmlKernel:
     started = time.monotonic()
     (cache_dir / "stamp.json").unlink(missing_ok=True)
     work = cache_dir / "work"
@@ -310,7 +319,7 @@ def _build(cache_dir: Path, quiet: bool) -> UmlKernel:
     (work / "archives" / "partial").mkdir(parents=True)
     sources = work / "sources.list"
     sources.write_text("".join(
-        f"deb [signed-by={KEYRING}] {MIRROR} {suite} main\n" for suite in SUITES
+        f"deb [signed-by={KEYRING}] {mirror} {suite} main\n" for suite in SUITES
     ))
     apt_options = [
         f"-oDir::Etc::SourceList={sources}", "-oDir::Etc::SourceParts=/dev/null",
@@ -320,9 +329,9 @@ def _build(cache_dir: Path, quiet: bool) -> UmlKernel:
         "-oAcquire::Languages=none", "-oAPT::Architecture=amd64", "-oAPT::Sandbox::User=root",
     ]
 
-    _say(quiet, f"updating a private package list ({', '.join(SUITES)}) from {MIRROR}")
+    _say(quiet, f"updating a private package list ({', '.join(SUITES)}) from {mirror}")
     _check(
-        f"apt-get update (is {MIRROR} reachable?)", ["apt-get", *apt_options, "-qq", "update"]
+        f"apt-get update (is {mirror} reachable?)", ["apt-get", *apt_options, "-qq", "update"]
     )
 
     def apt_cache(*args: str) -> str:
@@ -336,7 +345,7 @@ def _build(cache_dir: Path, quiet: bool) -> UmlKernel:
     )
     for note in (uml_note, libc_note):
         if note:
-            print(f"testbed sandbox: {note}", file=sys.stderr, flush=True)
+            print(f"sandbox: {note}", file=sys.stderr, flush=True)
 
     _say(quiet, f"downloading user-mode-linux {uml} and libc6 {libc}")
     debs = work / "debs"
@@ -379,7 +388,7 @@ def _build(cache_dir: Path, quiet: bool) -> UmlKernel:
         raise SandboxError(
             f"verification boot: the guest could not add a netem qdisc "
             f"(exit {check.returncode}); its output:\n{check.output.strip()}\n"
-            "The cache was left incomplete; `testbed sandbox prepare` retries."
+            "The cache was left incomplete; `python -m netem.sandbox prepare` retries."
         )
     write_stamp(cache_dir, kernel)
     shutil.rmtree(work)
@@ -396,10 +405,12 @@ def _build(cache_dir: Path, quiet: bool) -> UmlKernel:
 
 def guest_markers(token: str) -> tuple[bytes, bytes]:
     """Lines the init script prints around the job, so the host can tell its output apart."""
-    return f"@@testbed-guest-{token}-start@@".encode(), f"@@testbed-guest-{token}-end@@".encode()
+    return f"@@sandbox-guest-{token}-start@@".encode(), f"@@sandbox-guest-{token}-end@@".encode()
 
 
-def kernel_command_line(*, init: Path, uml_dir: Path, umid: str, mem: str = "1G") -> list[str]:
+def kernel_command_line(
+    *, init: Path, uml_dir: Path, umid: str, mem: str = DEFAULT_MEM
+) -> list[str]:
     """UML's arguments: the host's / as root over hostfs, the console on UML's stdout."""
     if not re.fullmatch(r"[1-9][0-9]*[KMG]?", mem):
         raise ValueError(f"mem: expected a size such as 512M or 1G, got {mem!r}")
@@ -439,7 +450,7 @@ def init_script(
     run_job = f"{job}\n{report}" if tty else f"{{ {job}\n{report}; }} 2>&1 | cat"
     required, optional = " ".join(REQUIRED_MODULES), " ".join(OPTIONAL_MODULES)
     return f"""#!/bin/sh
-# Generated by testbed.sandbox: PID 1 of a User-Mode Linux guest.
+# Generated by netem.sandbox: PID 1 of a User-Mode Linux guest.
 export PATH={GUEST_PATH}
 mount -t proc proc /proc
 mount -t sysfs sysfs /sys
@@ -451,7 +462,7 @@ mount -t devpts devpts /dev/pts
 stty -onlcr </dev/console 2>/dev/null
 echo {q(str(modprobe_helper))} >/proc/sys/kernel/modprobe
 modprobe -a -q -d {q(str(module_root))} {required} ||
-    echo "testbed-sandbox: could not load every module of: {required}"
+    echo "sandbox: could not load every module of: {required}"
 modprobe -a -q -d {q(str(module_root))} {optional}
 ip link set lo up
 echo {start}
@@ -523,8 +534,8 @@ def run(
     *,
     cwd: str | os.PathLike[str] | None = None,
     env: Mapping[str, str] | None = None,
-    timeout: float = 1800,
-    mem: str = "1G",
+    timeout: float = DEFAULT_TIMEOUT,
+    mem: str = DEFAULT_MEM,
     stream: bool = True,
     kernel: UmlKernel | None = None,
 ) -> GuestResult:
@@ -612,7 +623,7 @@ def _boot(
     except (OSError, ValueError):
         console_text = console.raw.decode(errors="replace").strip()
         message = (
-            f"testbed sandbox: the guest stopped (UML exit {proc.returncode}) without reporting "
+            f"sandbox: the guest stopped (UML exit {proc.returncode}) without reporting "
             "the job's exit code: it crashed, panicked, powered off or ran out of memory "
             f"(mem={mem}). Its console:\n{console_text}\n"
         )
