@@ -235,9 +235,11 @@ def test_a_silent_peer_is_named_waited_for_once_then_not_until_it_speaks_again()
 
 def test_a_peer_that_computes_longer_than_the_deadline_is_waited_for_not_lost():
     """The transfer deadline counts from a peer's first chunk: a peer that starts its call
-    long after the others (it computed longer) is still waited for, and its chunks count."""
-    world, numel, lag = 3, 30_000, 0.6
-    group = lossy_group(world, deadline=0.05, straggler_timeout=10.0)
+    long after the others (it computed longer) is still waited for, and its chunks count. The
+    deadline (0.25 s, held there) is far below the lag and far above a loopback stream's time
+    even on a loaded host."""
+    world, numel, lag = 3, 30_000, 1.5
+    group = lossy_group(world, deadline=0.25, deadline_ceiling=0.25, straggler_timeout=10.0)
     try:
         inputs = seeded(world, numel)
         release = threading.Event()
@@ -264,9 +266,12 @@ def test_workers_stay_in_step_when_some_pause():
     """Workers 1 and 2 pause for longer than any learned deadline in the middle of a run:
     worker 0 waits for them rather than running ahead on its own, so every call of every
     worker has every contribution (a worker ahead would take the others for lost, and they
-    would use its buffered chunks without waiting: a gap that never closes)."""
-    world, numel, pause = 3, 3000, 0.3
-    group = lossy_group(world, deadline=0.01, straggler_timeout=5.0)
+    would use its buffered chunks without waiting: a gap that never closes). The transfer
+    deadline is held at 0.25 s, far below the pause, and far above what a stream of a few
+    datagrams on loopback takes even on a loaded host (a thread unscheduled for a quarter of a
+    second mid-stream would be needed to lose a chunk)."""
+    world, numel, pause = 3, 3000, 1.5
+    group = lossy_group(world, deadline=0.25, deadline_ceiling=0.25, straggler_timeout=5.0)
     coverage = {rank: [] for rank in range(world)}
     try:
         inputs = seeded(world, numel)
