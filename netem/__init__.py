@@ -6,6 +6,7 @@ import pyroute2.config
 from netem.backend import AppliedShaping, ShapingError, apply, change, clear, show
 from netem.plan import UnsupportedByKernel
 from netem.profile import GilbertElliott, LinkProfile, ProfileError
+from netem.session import Session
 
 # pyroute2 forks short-lived helpers (namespace creation, sockets in a namespace) that inherit this
 # process's signal handlers; when pyroute2 stops one with SIGTERM, a handler that raises would
@@ -17,6 +18,7 @@ __all__ = [
     "GilbertElliott",
     "LinkProfile",
     "ProfileError",
+    "Session",
     "ShapingError",
     "UnsupportedByKernel",
     "apply",

@@ -4,8 +4,8 @@ In a namespace run the runner shapes every link on the switch and drives the fau
 a container has only its own network namespace, so each node does its part of both:
 
 - It shapes the links *into* it, on its own interface's ingress (redirected to an ifb), one
-  rule per source peer (`IngressLinks`, a `Network` for the timeline): what a link carries is
-  decided where the packets arrive, as in the namespace runs.
+  rule per source peer (`IngressLinks`: the run's `LinkState`, shaped for this worker's end):
+  what a link carries is decided where the packets arrive, as in the namespace runs.
 - It runs the whole fault timeline itself (`Timeline`), acting on its incoming links, its own
   straggler bursts, and its own preemption: a `kill` naming it ends the process with SIGKILL,
   and the Compose restart policy (`on-failure`, set for the workers the timeline restarts)
@@ -26,13 +26,13 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import netem
 from netem.profile import LinkProfile
-from testbed.cluster.timeline import Pair, Timeline
+from testbed.cluster.shaped import ShapedNetwork
+from testbed.cluster.timeline import Timeline
 from testbed.cluster.worker import (
     PORTS,
     Worker,
@@ -41,40 +41,32 @@ from testbed.cluster.worker import (
     post_links,
     serve_run_store,
 )
+from testbed.scenario.links import LinkState, Pair
 from testbed.scenario.model import Event, Scenario
 
-CUT = LinkProfile(loss=1.0)
 STORE_WAIT = 300.0  # seconds a node waits for worker 0's store and run directory
 END_WAIT = 600.0  # seconds worker 0 waits for the others' ends before writing the summary
 POLL = 0.2  # seconds between looks at the store while waiting for a restart to be due
 RUN_KEY, ORIGIN_KEY, ID_KEY = "compose/run", "compose/origin", "compose/run_id"
 
 
-class IngressLinks:
+class IngressLinks(ShapedNetwork):
     """The links into worker `rank`, shaped on `iface`'s ingress, per source address. Holds
-    every link's profile (the timeline reads any), changes the kernel only for links into this
-    worker. A `Network` for `Timeline`."""
+    every link's state (the timeline reads any) and changes the kernel only for links into this
+    worker; until `start`, changes are only remembered."""
 
     def __init__(self, scenario: Scenario, rank: int, hosts: list[str], iface: str,
                  backend: str = "auto") -> None:
-        self.count, self.rank, self.hosts, self.iface = scenario.count, rank, hosts, iface
-        self.groups = {name: list(members) for name, members in scenario.topology.groups.items()}
-        self.backend = backend
-        self._profiles: dict[Pair, LinkProfile] = dict(scenario.links())
-        self._cut: set[Pair] = set()
-        self._started = False  # until `start`, changes are only remembered
+        super().__init__(LinkState.of(scenario))
+        self.rank, self.hosts, self.iface, self.backend = rank, hosts, iface, backend
+        self._started = False
 
     def rules(self) -> dict[str | None, LinkProfile]:
         """What each peer's packets get on the way in; anyone else passes untouched."""
         rules: dict[str | None, LinkProfile] = {None: LinkProfile()}
-        for src in range(self.count):
-            if src != self.rank:
-                rules[self.hosts[src]] = self.effective(src, self.rank)
+        for src, profile in self.links.into(self.rank).items():
+            rules[self.hosts[src]] = profile
         return rules
-
-    def effective(self, src: int, dst: int) -> LinkProfile:
-        """What the link carries now: 100% loss while cut, else its profile."""
-        return CUT if (src, dst) in self._cut else self._profiles[(src, dst)]
 
     def start(self) -> float:
         begun = time.perf_counter()
@@ -87,24 +79,7 @@ class IngressLinks:
             netem.clear(self.iface)
             self._started = False
 
-    def current(self, src: int, dst: int) -> LinkProfile:
-        return self._profiles[(src, dst)]
-
-    def set_links(self, changes: Mapping[Pair, LinkProfile]) -> float:
-        self._profiles.update(changes)
-        return self._reshape(changes)
-
-    def partition(self, pairs: Iterable[Pair]) -> float:
-        pairs = set(pairs)
-        self._cut |= pairs
-        return self._reshape(pairs)
-
-    def heal(self, pairs: Iterable[Pair] | None = None) -> float:
-        healed = set(self._cut) if pairs is None else set(pairs) & self._cut
-        self._cut -= healed
-        return self._reshape(healed)
-
-    def _reshape(self, touched: Iterable[Pair]) -> float:
+    def shape(self, touched: set[Pair]) -> float:
         if not self._started or all(dst != self.rank for _, dst in touched):
             return 0.0
         begun = time.perf_counter()
@@ -135,7 +110,7 @@ class Node:
         if len(hosts) != self.scenario.count:
             raise ValueError(f"--hosts: the scenario has {self.scenario.count} workers, "
                              f"got {len(hosts)} addresses")
-        self.links = IngressLinks(self.scenario, rank, hosts, iface, backend)
+        self.network = IngressLinks(self.scenario, rank, hosts, iface, backend)
         self._store: Any = None
         self._client: Any = None
         self._writer: Any = None
@@ -145,7 +120,7 @@ class Node:
     def run(self) -> int:
         from torch.distributed import TCPStore
 
-        self.links.start()  # first: a kernel that cannot shape them ends every worker at once
+        self.network.start()  # first: a kernel that cannot shape them ends every worker at once
         try:
             if self.rank == 0:
                 self._store = serve_run_store("0.0.0.0", PORTS["drift"])
@@ -167,7 +142,7 @@ class Node:
         finally:
             if self._timeline is not None:
                 self._timeline.stop()
-            self.links.close()
+            self.network.close()
 
     # -- the run directory and its records
 
@@ -179,7 +154,7 @@ class Node:
             run_dir = self.runs / f"{self.scenario.name}-{stamp}"
             self._writer = RunWriter.create(run_dir, scenario=self.scenario_path.read_text(),
                                             name=self.scenario.name, compose=True)
-            self._writer.event("cluster", hosts=self.hosts, backend=self.links.backend,
+            self._writer.event("cluster", hosts=self.hosts, backend=self.network.backend,
                                compose=True)
             self._client.set(ID_KEY, str(int.from_bytes(os.urandom(4), "big")))
             self._client.set(RUN_KEY, run_dir.name)
@@ -223,9 +198,9 @@ class Node:
         def on_event(record: dict[str, Any]) -> None:
             if self._writer is not None:
                 self._writer.fault(**record)
-            post_links(self.run_dir, record, self.links.effective, only=self.rank)
+            post_links(self.run_dir, record, self.network.links.effective, only=self.rank)
 
-        self._timeline = Timeline(events, self.links, on_event, clock=time.time,
+        self._timeline = Timeline(events, self.network, on_event, clock=time.time,
                                   on_kill=self._kill, on_straggler_burst=self._burst)
         self._timeline.start(origin=origin)
 

@@ -154,7 +154,7 @@ class ClusterRun:
                 stack.callback(store.clear)  # served until the workers are gone
                 def on_event(record: dict[str, Any]) -> None:
                     writer.fault(**record)
-                    post_links(self.run_dir, record, network.effective)  # workers' metrics
+                    post_links(self.run_dir, record, network.links.effective)  # workers' metrics
 
                 timeline = Timeline(
                     self.scenario.timeline, network, on_event,

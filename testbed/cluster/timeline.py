@@ -3,10 +3,11 @@
 Events `at` a time run on a scheduler thread against a monotonic clock whose zero is
 `Timeline.start()` (training starts); events at a `step` run when the runner calls
 `on_step(step)` before that step starts (it knows the slowest worker's step). Link actions go to
-the `ClusterNetwork`; kill, restart and straggler bursts go to the runner's callbacks, since the
-workers are the runner's. Every event, and every update of a ramp, is reported through
-`on_event(record)` once it took effect, with when it was due, when it happened and how late:
-`RunWriter.fault(**record)` writes it to `events.jsonl`.
+the placement's `ShapedNetwork` (what they do to the links is `LinkState`'s); kill, restart and
+straggler bursts go to the runner's callbacks, since the workers are the runner's. Every event,
+and every update of a ramp, is reported through `on_event(record)` once it took effect, with
+when it was due, when it happened and how late: `RunWriter.fault(**record)` writes it to
+`events.jsonl`.
 """
 
 from __future__ import annotations
@@ -18,25 +19,14 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from netem.profile import LinkProfile
-from testbed.scenario.model import ALL, Event, RampLink, SetLink, partition_pairs
+from testbed.cluster.shaped import ShapedNetwork
+from testbed.scenario.links import Pair
+from testbed.scenario.model import Event, RampLink
 
-Pair = tuple[int, int]
 MAX_WAIT = 0.5  # the scheduler looks at the clock at least this often (seconds)
-
-
-class Network(Protocol):
-    """What the timeline needs of the network (`ClusterNetwork` has it)."""
-
-    count: int
-    groups: Mapping[str, Sequence[int]]
-
-    def current(self, src: int, dst: int) -> LinkProfile: ...
-    def set_links(self, changes: Mapping[Pair, LinkProfile]) -> float: ...
-    def partition(self, pairs: Iterable[Pair]) -> float: ...
-    def heal(self, pairs: Iterable[Pair] | None = None) -> float: ...
 
 
 @dataclass(order=True)
@@ -52,7 +42,6 @@ class _Due:
 class _Ramp:
     event: Event
     index: int
-    pairs: list[Pair]
     start: dict[Pair, LinkProfile]  # each link's profile when the ramp started
     origin: float  # when elapsed = 0, seconds since start
     updates: int  # after the first, at origin + k * every (the last at origin + over)
@@ -74,7 +63,7 @@ class Timeline:
     def __init__(
         self,
         events: Sequence[Event],
-        network: Network,
+        network: ShapedNetwork,
         on_event: Callable[[dict[str, Any]], None],
         *,
         clock: Callable[[], float] = time.monotonic,
@@ -95,7 +84,6 @@ class Timeline:
         self._order = itertools.count()
         self._queue: list[_Due] = []
         self._steps = sorted((e.step, i) for i, e in enumerate(self.events) if e.step is not None)
-        self._partitions: dict[frozenset[str], set[Pair]] = {}
         self._lock = threading.RLock()
         self._wake = threading.Event()
         self._stopped = threading.Event()
@@ -210,23 +198,16 @@ class Timeline:
 
     def _act(self, index: int, event: Event, scheduled: float) -> dict[str, Any]:
         value = getattr(event, event.action)
-        network = self.network
-        if isinstance(value, SetLink):
-            pairs = value.link.pairs(network.groups, network.count)
-            changes = {pair: value.apply(network.current(*pair)) for pair in pairs}
-            seconds = network.set_links(changes)
+        if event.action == "set_link":
+            touched, seconds = self.network.apply(event)
+            changes = {pair: self.network.links.current(*pair) for pair in touched}
             return {"link": value.link.describe(), **_changes(changes), "apply_seconds": seconds}
         if isinstance(value, RampLink):
             return self._start_ramp(index, event, value, scheduled)
-        if event.action == "partition":
-            pairs = partition_pairs(network.groups, list(value), network.count)
-            self._partitions[frozenset(value)] = pairs
-            seconds = network.partition(pairs)
-            return {"link": "|".join(value), "pairs": _pair_list(pairs), "apply_seconds": seconds}
-        if event.action == "heal":
-            pairs = self._healed(list(value))
-            seconds = network.heal(pairs)
-            return {"link": "|".join(value), "pairs": _pair_list(pairs), "apply_seconds": seconds}
+        if event.action in ("partition", "heal"):
+            touched, seconds = self.network.apply(event)
+            return {"link": "|".join(value), "pairs": _pair_list(touched),
+                    "apply_seconds": seconds}
         if event.action in ("kill", "restart"):
             handler = self.on_kill if event.action == "kill" else self.on_restart
             if handler is None:
@@ -243,34 +224,16 @@ class Timeline:
                     "steps": burst.steps}
         raise ValueError(f"unknown action {event.action!r}")  # pragma: no cover
 
-    def _healed(self, names: list[str]) -> set[Pair]:
-        """The links a heal of `names` restores: those of the partitions it ends (`all`: every
-        one; else the partition of exactly these groups, or, with none, whatever a partition of
-        them would cut), less those another partition still cuts."""
-        if ALL in names:
-            ended = list(self._partitions)
-        else:
-            key = frozenset(names)
-            ended = [key] if key in self._partitions else []
-        pairs: set[Pair] = set()
-        for key in ended:
-            pairs |= self._partitions.pop(key)
-        if not ended and ALL not in names:
-            pairs = partition_pairs(self.network.groups, names, self.network.count)
-        still = set().union(*self._partitions.values()) if self._partitions else set()
-        return pairs - still
-
     def _start_ramp(self, index: int, event: Event, ramp: RampLink,
                     scheduled: float) -> dict[str, Any]:
-        network = self.network
-        pairs = ramp.link.pairs(network.groups, network.count)
-        start = {pair: network.current(*pair) for pair in pairs}
+        links = self.network.links
+        start = links.ramp_start(ramp)
         # An event at a time ramps on the plan's clock; one at a step from when the step came.
         origin = scheduled if event.at is not None else self.now()
         updates = max(1, math.ceil(ramp.over / ramp.every - 1e-9))  # the last lands on `over`
-        state = _Ramp(event, index, pairs, start, origin, updates)
-        changes = {pair: ramp.profile_at(start[pair], 0.0) for pair in pairs}
-        seconds = network.set_links(changes)
+        state = _Ramp(event, index, start, origin, updates)
+        changes = links.ramp_profiles(ramp, start, 0.0)
+        seconds = self.network.set_links(changes)
         for k in range(1, state.updates + 1):
             elapsed = min(k * ramp.every, ramp.over)
             heapq.heappush(self._queue, _Due(origin + elapsed, next(self._order),
@@ -287,7 +250,7 @@ class Timeline:
                                       "link": value.link.describe(), "update": k,
                                       "updates": ramp.updates, "elapsed": elapsed}
             try:
-                changes = {p: value.profile_at(ramp.start[p], elapsed) for p in ramp.pairs}
+                changes = self.network.links.ramp_profiles(value, ramp.start, elapsed)
                 record.update(_changes(changes))
                 record["apply_seconds"] = self.network.set_links(changes)
             except Exception as error:

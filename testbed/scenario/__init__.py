@@ -2,6 +2,7 @@
 metrics); `load_scenario` validates it into a `Scenario` or raises one `ScenarioError` listing
 every bad field with its path, line and what is allowed (docs/scenarios.md)."""
 
+from testbed.scenario.links import CUT, LinkState, partition_pairs
 from testbed.scenario.load import Problem, ScenarioError, load_scenario, scenario_files
 from testbed.scenario.model import (
     ACTIONS,
@@ -17,7 +18,6 @@ from testbed.scenario.model import (
     WorkerOverride,
     Workers,
     json_schema,
-    partition_pairs,
     patch_profile,
     resolve_link,
 )
@@ -25,8 +25,10 @@ from testbed.scenario.model import (
 __all__ = [
     "ACTIONS",
     "COLLECTIVES",
+    "CUT",
     "Event",
     "Link",
+    "LinkState",
     "Problem",
     "RampLink",
     "Scenario",

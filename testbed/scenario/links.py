@@ -21,12 +21,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-from netem.profile import LinkProfile
+from netem.profile import LinkProfile, ProfileError
 
 Pair = tuple[int, int]
 CUT = LinkProfile(loss=1.0)  # what a partitioned link carries: nothing
 ALL = "all"  # reserved group name: every worker (in `heal`, every partition)
-LINK_ACTIONS = ("set_link", "ramp_link", "partition", "heal")
 
 
 def partition_pairs(groups: Mapping[str, Sequence[int]], names: Sequence[str],
@@ -136,22 +135,18 @@ class LinkState:
 
     # -- the timeline's link events
 
-    def apply(self, event: Any) -> dict[Pair, LinkProfile]:
-        """Carry out a timeline event's link action (set_link, the start of a ramp_link,
-        partition, heal); returns each link it touched with what it carries now."""
+    def apply(self, event: Any) -> set[Pair]:
+        """Carry out a timeline event's set_link, partition or heal; returns the links it
+        touched. (A ramp runs over time: `ramp_start`, then `ramp_profiles` at each moment.)"""
         value = getattr(event, event.action)
         if event.action == "set_link":
             pairs = value.link.pairs(self.groups, self.count)
-            touched = self.set({pair: value.apply(self._profiles[pair]) for pair in pairs})
-        elif event.action == "ramp_link":
-            touched = self.set(self.ramp_profiles(value, self.ramp_start(value), 0.0))
-        elif event.action == "partition":
-            touched = self.partition(list(value))
-        elif event.action == "heal":
-            touched = self.heal(list(value))
-        else:
-            raise ValueError(f"{event.action}: not a link action ({', '.join(LINK_ACTIONS)})")
-        return {pair: self.effective(*pair) for pair in sorted(touched)}
+            return self.set({pair: value.apply(self._profiles[pair]) for pair in pairs})
+        if event.action == "partition":
+            return self.partition(list(value))
+        if event.action == "heal":
+            return self.heal(list(value))
+        raise ValueError(f"{event.action}: not one of set_link, partition, heal")
 
     def ramp_start(self, ramp: Any) -> dict[Pair, LinkProfile]:
         """Each link a ramp moves, with its profile when the ramp starts."""
@@ -163,26 +158,29 @@ class LinkState:
         """What each link of a ramp carries `elapsed` seconds in, from its `start` profile."""
         return {pair: ramp.profile_at(profile, elapsed) for pair, profile in start.items()}
 
-    def replay(self, events: Sequence[Any]) -> Iterator[tuple[int, Pair, LinkProfile]]:
+    def replay(self, events: Sequence[Any]) -> Iterator[tuple[int, Pair, LinkProfile | Exception]]:
         """Every profile a link will be given along `events` (in file order; a ramp at both
-        ends), as (event index, link, profile); changes this state as it goes, so replay a
-        copy (`LinkState.of(scenario)`). A profile that cannot be made raises from here."""
+        ends), as (event index, link, profile), changing this state as it goes (replay a fresh
+        `LinkState.of(scenario)`). Where an event's profile cannot be made (`ProfileError`), the
+        error comes in the profile's place, once, and that event changes nothing."""
         for index, event in enumerate(events):
             if event.action not in ("set_link", "ramp_link"):
                 continue
             value = getattr(event, event.action)
-            if event.action == "set_link":
-                changes = {pair: value.apply(self._profiles[pair])
-                           for pair in value.link.pairs(self.groups, self.count)}
-                for pair, profile in changes.items():
+            ends = (None,) if event.action == "set_link" else (0.0, value.over)
+            given: dict[Pair, list[LinkProfile]] = {}
+            try:
+                for pair in value.link.pairs(self.groups, self.count):
+                    current = self._profiles[pair]
+                    given[pair] = [value.apply(current) if end is None
+                                   else value.profile_at(current, end) for end in ends]
+            except ProfileError as error:
+                yield index, pair, error
+                continue
+            for pair, profiles in given.items():
+                for profile in profiles:
                     yield index, pair, profile
-            else:
-                start = self.ramp_start(value)
-                for elapsed in (0.0, value.over):
-                    changes = self.ramp_profiles(value, start, elapsed)
-                    for pair, profile in changes.items():
-                        yield index, pair, profile
-            self.set(changes)
+            self.set({pair: profiles[-1] for pair, profiles in given.items()})
 
     def changed_by(self, events: Sequence[Any]) -> set[Pair]:
         """The links a timeline will change or cut (a shaper gives them rules of their own

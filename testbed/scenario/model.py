@@ -30,11 +30,11 @@ from pydantic.json_schema import GenerateJsonSchema
 from netem.profile import BitsPerSecond, Fraction, LinkProfile, ProfileError, Seconds
 from netem.units import FRACTION_HELP, RATE_HELP, TIME_HELP
 from testbed.collectives import registry
+from testbed.scenario.links import ALL, LinkState
 from testbed.train.config import TrainConfig, _threshold
 from testbed.train.stragglers import StragglerSpec
 
 Loc = tuple[str | int, ...]
-ALL = "all"  # reserved group name: every worker (in `heal`, every partition)
 CONGESTION = ("cubic", "bbr")
 Congestion = Literal["cubic", "bbr"]
 
@@ -488,24 +488,6 @@ def _patch_text(patch: BaseModel) -> str:
     return " ".join(text) or "(nothing)"
 
 
-def partition_pairs(
-    groups: Mapping[str, list[int]], names: list[str], count: int
-) -> set[tuple[int, int]]:
-    """The directed links a partition of `names` cuts: between workers of different listed
-    groups; a single group is cut from every worker outside it."""
-    members = [set(groups[name]) for name in names]
-    if len(members) == 1:
-        inside = members[0]
-        return {
-            (s, d) for s in range(count) for d in range(count) if (s in inside) != (d in inside)
-        }
-    cut = set()
-    for i, a in enumerate(members):
-        for b in members[i + 1:]:
-            cut |= {(s, d) for s in a for d in b} | {(d, s) for s in a for d in b}
-    return cut
-
-
 # --- the scenario -------------------------------------------------------------------------------
 
 
@@ -638,7 +620,7 @@ class Scenario(_Model):
 
     def _check_timeline(self) -> Iterator[tuple[Loc, str]]:
         kills: list[tuple[int, str, float]] = []  # (worker, clock, when)
-        state = self.links()  # each link's profile as the events so far (in file order) left it
+        linked = []  # the link events whose ends are valid, to replay
         for i, event in enumerate(self.timeline):
             loc: Loc = ("timeline", i)
             value = getattr(event, event.action)
@@ -649,7 +631,10 @@ class Scenario(_Model):
                 bad_ends = list(self._endpoint_problems((*loc, event.action, "link"), value.link))
                 yield from bad_ends
                 if not bad_ends:
-                    yield from self._apply_to_links(loc, event.action, value, state)
+                    if not value.link.pairs(self.topology.groups, self.count):
+                        yield ((*loc, event.action, "link"),
+                               f"{value.link.describe()} selects no link")
+                    linked.append((i, event))
             elif event.action == "partition":
                 yield from self._group_problems((*loc, "partition"), value)
             elif event.action == "heal":
@@ -667,23 +652,14 @@ class Scenario(_Model):
                 for worker in value:
                     if not any(w == worker and (c != clock or t <= when) for w, c, t in kills):
                         yield (*loc, "restart"), f"worker {worker} is restarted before any kill"
-
-    def _apply_to_links(self, loc: Loc, action: str, change: SetLink | RampLink,
-                        state: dict[tuple[int, int], LinkProfile]) -> Iterator[tuple[Loc, str]]:
-        pairs = change.link.pairs(self.topology.groups, self.count)
-        if not pairs:
-            yield (*loc, action, "link"), f"{change.link.describe()} selects no link"
-        for pair in pairs:
-            try:
-                if isinstance(change, SetLink):
-                    state[pair] = change.apply(state[pair])
-                else:
-                    change.profile_at(state[pair], 0.0)
-                    state[pair] = change.profile_at(state[pair], change.over)
-            except ProfileError as error:
-                where = (*loc, action, "profile" if isinstance(change, SetLink) else "to")
-                yield where, f"on link {pair[0]}->{pair[1]}: {_profile_message(error)}"
-                return
+        # Every profile the link changes give, in file order (a ramp at both ends).
+        replayed = LinkState.of(self).replay([event for _, event in linked])
+        for j, (src, dst), profile in replayed:
+            if isinstance(profile, ProfileError):
+                i, event = linked[j]
+                field = "profile" if event.action == "set_link" else "to"
+                yield (("timeline", i, event.action, field),
+                       f"on link {src}->{dst}: {_profile_message(profile)}")
 
     # -- what the cluster needs
 

@@ -15,6 +15,7 @@ from netem.profile import LinkProfile
 from testbed.cluster.network import ClusterNetwork
 from testbed.cluster.timeline import Timeline
 from testbed.scenario import load_scenario
+from testbed.scenario.links import CUT
 
 pytestmark = pytest.mark.netns
 
@@ -63,7 +64,7 @@ def test_exactly_the_scenario_links_are_shaped_and_measured(network):
     expected = {pair: (lossy if pair == (0, 1) else LinkProfile())
                 for pair in kernel_table(network)}
     assert kernel_table(network) == expected
-    assert network.current(0, 1) == lossy
+    assert network.links.current(0, 1) == lossy
     assert 0.22 < loss(network, 0, 1) < 0.38
     assert loss(network, 1, 0) == 0.0
     assert loss(network, 2, 1) == 0.0
@@ -99,15 +100,15 @@ def test_set_link_takes_effect_in_the_kernel_and_is_timed(network):
 
 def test_partition_cuts_and_heal_restores(network):
     network.partition([(1, 0), (0, 1)])
-    cut = network.cut_profile
+    cut = CUT
     assert cut.loss == 1.0
     assert kernel_profile(network, 1, 0) == cut and kernel_profile(network, 0, 1) == cut
     assert loss(network, 1, 0, count=300) == 1.0
     # a change to a cut link is remembered, and it stays cut
     network.set_link(0, 1, LinkProfile.parse(loss="10%"))
-    assert kernel_profile(network, 0, 1) == cut and network.is_cut(0, 1)
+    assert kernel_profile(network, 0, 1) == cut and network.links.is_cut(0, 1)
     network.heal()
-    assert network.cut == set()
+    assert network.links.cut == set()
     assert kernel_profile(network, 0, 1) == LinkProfile.parse(loss="10%")
     assert kernel_profile(network, 1, 0) == LinkProfile()
     assert loss(network, 1, 0, count=300) == 0.0
@@ -177,7 +178,7 @@ def test_the_timeline_drives_the_real_network():
         print("\n" + "\n".join(f"{r['action']:>10} due {r['scheduled']:.3f}s late "
                               f"{r['late'] * 1000:.0f} ms" for r in records))
         assert all(r["late"] < 1.0 for r in records)
-        assert network.cut == set()
+        assert network.links.cut == set()
         assert kernel_profile(network, 2, 0) == LinkProfile.parse(loss="40%")
         assert kernel_profile(network, 1, 0) == LinkProfile.parse(loss="20%")
         assert kernel_profile(network, 0, 1) == LinkProfile()

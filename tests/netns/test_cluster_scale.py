@@ -12,6 +12,7 @@ from netem.lab import lab_namespaces
 from netem.profile import LinkProfile
 from testbed.cluster.network import ClusterNetwork
 from testbed.scenario import Scenario
+from testbed.scenario.links import CUT
 
 pytestmark = pytest.mark.netns
 
@@ -68,8 +69,8 @@ def test_new_source_rules_on_many_lossy_receivers_at_once():
         assert kernel_table(network) == every_link("1%") | changes
         network.partition([(1, 0), (2, 0)])
         assert kernel_table(network) == (every_link("1%") | changes
-                                         | {(1, 0): network.cut_profile,
-                                            (2, 0): network.cut_profile})
+                                         | {(1, 0): CUT,
+                                            (2, 0): CUT})
         network.heal()
         assert kernel_table(network) == every_link("1%") | changes
     assert lab_namespaces(network.prefix) == []

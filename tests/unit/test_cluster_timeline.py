@@ -8,9 +8,10 @@ import time
 import pytest
 
 from netem.profile import LinkProfile
+from testbed.cluster.shaped import ShapedNetwork
 from testbed.cluster.timeline import Timeline
 from testbed.report.writer import RunWriter
-from testbed.scenario import load_scenario
+from testbed.scenario import LinkState, load_scenario
 
 
 class FakeClock:
@@ -21,35 +22,26 @@ class FakeClock:
         return self.t
 
 
-class FakeNetwork:
-    """Remembers profiles and cut links like ClusterNetwork, and every call made."""
+class FakeNetwork(ShapedNetwork):
+    """The real link state with a kernel that only records which links it was asked to shape."""
 
     def __init__(self, scenario) -> None:
-        self.count = scenario.count
-        self.groups = {k: list(v) for k, v in scenario.topology.groups.items()}
-        self.profiles = dict(scenario.links())
-        self.cut: set[tuple[int, int]] = set()
-        self.calls: list[tuple[str, object]] = []
+        super().__init__(LinkState.of(scenario))
+        self.shaped: list[set[tuple[int, int]]] = []
 
-    def current(self, src, dst):
-        return self.profiles[(src, dst)]
-
-    def set_links(self, changes):
-        self.profiles.update(changes)
-        self.calls.append(("set", dict(changes)))
+    def shape(self, touched):
+        self.shaped.append(set(touched))
         return 0.001
 
-    def partition(self, pairs):
-        pairs = set(pairs)
-        self.cut |= pairs
-        self.calls.append(("partition", pairs))
-        return 0.001
+    @property
+    def profiles(self):
+        count = self.links.count
+        return {(s, d): self.links.current(s, d)
+                for s in range(count) for d in range(count) if s != d}
 
-    def heal(self, pairs=None):
-        pairs = set(self.cut if pairs is None else pairs)
-        self.cut -= pairs
-        self.calls.append(("heal", pairs))
-        return 0.001
+    @property
+    def cut(self):
+        return self.links.cut
 
 
 SCENARIO = """
@@ -159,7 +151,7 @@ timeline:
     timeline.start(thread=False)
     advance(clock, timeline, 3)
     assert (0, 1) in network.cut and (1, 0) in network.cut  # `a` alone still cuts them
-    assert network.calls[-1] == ("heal", set())
+    assert network.shaped[-1] == set()  # the heal of [a, b] restored nothing
     advance(clock, timeline, 4)
     assert network.cut == set()
 
@@ -186,10 +178,10 @@ timeline:
 """)
     network = FakeNetwork(scenario)
 
-    def refuse(changes):
+    def refuse(touched):
         raise RuntimeError("the kernel said no")
 
-    network.set_links = refuse
+    network.shape = refuse
     records: list[dict] = []
     timeline = Timeline(scenario.timeline, network, records.append, clock=FakeClock())
     timeline.start(thread=False)

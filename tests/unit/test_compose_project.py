@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from netem.profile import LinkProfile
-from testbed.cluster.node import CUT, IngressLinks, preempting
+from testbed.cluster.node import IngressLinks, preempting
 from testbed.compose import (
     FILE,
     PROMETHEUS_CONFIG,
@@ -21,6 +21,7 @@ from testbed.compose import (
     write_project,
 )
 from testbed.scenario import load_scenario, scenario_files
+from testbed.scenario.links import CUT
 
 
 @pytest.mark.parametrize("path", scenario_files(), ids=lambda path: path.stem)
@@ -79,7 +80,7 @@ def test_a_node_shapes_only_links_into_it_and_cuts_and_heals_them():
     lossy = LinkProfile(loss=0.3)
     assert links.set_links({(0, 1): lossy, (1, 2): lossy}) == 0.0  # not started: no kernel
     assert links.rules()[hosts[0]] == lossy
-    assert links.current(1, 2) == lossy  # remembered for the timeline, shaped by worker 2
+    assert links.links.current(1, 2) == lossy  # remembered for the timeline, shaped by worker 2
     links.partition([(2, 1), (1, 3)])
     assert links.rules()[hosts[2]] == CUT and links.rules()[hosts[3]] != CUT
     links.heal([(2, 1)])
