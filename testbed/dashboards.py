@@ -1,6 +1,6 @@
 """Grafana dashboards of the testbed's worker metrics, generated from code.
 
-`python -m testbed.dashboards` rewrites `grafana/dashboards/*.json`; `--check` exits 1 (and
+`testbed dashboards` rewrites `grafana/dashboards/*.json`; `--check` exits 1 (and
 names the files) when the committed JSON differs from what this module generates. Each
 dashboard is one function returning Grafana's dashboard JSON as plain dicts; the panels, the
 targets and the variables come from the shared helpers below, so every query filters by the
@@ -15,7 +15,6 @@ docs/grafana.md describes every panel.
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import sys
@@ -444,36 +443,27 @@ def substitute(expr: str, values: Mapping[str, str | Sequence[str]], *, interval
     return re.sub(r"\$\{(\w+)\}|\$(\w+)", replace, expr)
 
 
-# -- command line ------------------------------------------------------------------------------
+# -- writing ----------------------------------------------------------------------------------
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m testbed.dashboards", description=(
-        "Write grafana/dashboards/*.json from testbed/dashboards.py."))
-    parser.add_argument("--check", action="store_true",
-                        help="write nothing; exit 1 if the committed JSON differs")
-    parser.add_argument("--out", type=Path, default=DASHBOARD_DIR, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+def write(out: Path = DASHBOARD_DIR, *, check: bool = False) -> int:
+    """`testbed dashboards`: write every dashboard's JSON into `out`; with `check`, write
+    nothing and return 1 if the committed JSON differs from the code (0 if not)."""
     files = generated()
-    if args.check:
+    if check:
         stale = sorted(name for name, text in files.items()
-                       if not (args.out / name).exists()
-                       or (args.out / name).read_text() != text)
-        extra = sorted(p.name for p in args.out.glob("*.json") if p.name not in files)
+                       if not (out / name).exists() or (out / name).read_text() != text)
+        extra = sorted(p.name for p in out.glob("*.json") if p.name not in files)
         for name in stale:
-            print(f"{args.out / name}: differs from testbed/dashboards.py", file=sys.stderr)
+            print(f"{out / name}: differs from testbed/dashboards.py", file=sys.stderr)
         for name in extra:
-            print(f"{args.out / name}: no dashboard generates it", file=sys.stderr)
+            print(f"{out / name}: no dashboard generates it", file=sys.stderr)
         if stale or extra:
-            print("run: python -m testbed.dashboards", file=sys.stderr)
+            print("run: testbed dashboards", file=sys.stderr)
             return 1
         return 0
-    args.out.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
     for name, text in files.items():
-        (args.out / name).write_text(text)
-        print(args.out / name)
+        (out / name).write_text(text)
+        print(out / name)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -237,26 +237,17 @@ class Node:
             time.sleep(POLL)  # the others' progress lives in the store: no event to wait on
 
 
-def main(argv: list[str] | None = None) -> int:
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="testbed node", description=__doc__.splitlines()[0])
-    parser.add_argument("scenario", type=Path)
-    parser.add_argument("--rank", type=int, required=True)
-    parser.add_argument("--hosts", required=True, help="every worker's address, by rank")
-    parser.add_argument("--runs", type=Path, default=Path("/runs"))
-    parser.add_argument("--steps", type=int)
-    parser.add_argument("--iface", default="eth0")
-    args = parser.parse_args(argv)
+def run_node(scenario: Path, rank: int, hosts: list[str], runs: Path, *, steps: int | None = None,
+             iface: str = "eth0") -> int:
+    """`testbed node`: run worker `rank` of a Compose run; returns the exit code (0 done, 1 the
+    training failed, 2 bad input or links it cannot shape here, 143 SIGTERM)."""
     from testbed.scenario import ScenarioError
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
-        node = Node(args.scenario, args.rank, args.hosts.split(","), args.runs,
-                    iface=args.iface, steps=args.steps)
-        return node.run()
+        return Node(scenario, rank, hosts, runs, iface=iface, steps=steps).run()
     except (netem.UnsupportedByKernel, netem.ShapingError) as error:
-        print(f"worker {args.rank}: cannot shape its links here: {error}", file=sys.stderr)
+        print(f"worker {rank}: cannot shape its links here: {error}", file=sys.stderr)
     except (ScenarioError, ValueError) as error:
-        print(f"worker {args.rank}: {error}", file=sys.stderr)
+        print(f"worker {rank}: {error}", file=sys.stderr)
     return 2

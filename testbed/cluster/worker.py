@@ -1,4 +1,4 @@
-"""The process each worker of a run executes: `python -m testbed.cluster.worker SPEC.json`.
+"""The process each worker of a run executes: `testbed worker SPEC.json` (`run_worker`).
 
 The runner starts it inside the worker's network namespace. It trains its share of the
 scenario's job over the scenario's collective, exports its metrics on `/metrics`, appends a
@@ -285,15 +285,13 @@ class WorkerControl:
         return [line for line in complete.decode().splitlines() if line.strip()]
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1:
-        print("usage: python -m testbed.cluster.worker SPEC.json", file=sys.stderr)
-        return 2
+def run_worker(spec_path: str | Path) -> int:
+    """`testbed worker SPEC.json`: run the worker the spec describes; returns the exit code (0
+    done, 1 the training failed, 2 a bad spec, 143 SIGTERM)."""
     try:
-        spec = WorkerSpec.from_json(Path(argv[0]).read_text())
+        spec = WorkerSpec.from_json(Path(spec_path).read_text())
     except (OSError, SpecError) as error:
-        print(f"worker spec {argv[0]}: {error}", file=sys.stderr)
+        print(f"worker spec {spec_path}: {error}", file=sys.stderr)
         return 2
     me = os.getpid()
 
@@ -503,5 +501,3 @@ def say(**fields: Any) -> None:
     os.write(sys.stdout.fileno(), (json.dumps(clean) + "\n").encode())
 
 
-if __name__ == "__main__":
-    sys.exit(main())

@@ -5,7 +5,7 @@ A fresh interpreter spends seconds of CPU importing torch (3.3 s here, 14 s in t
 runner instead starts one zygote (`python -m testbed.cluster.zygote`) that imports what a
 worker needs and, for each request on its stdin, forks a child that enters the worker's network
 namespace (setns), starts a session of its own (so its process group can be signalled as one),
-sends its stderr to the worker's log and runs `testbed.cluster.worker.main([SPEC])`. The
+sends its stderr to the worker's log and runs `testbed.cluster.worker.run_worker(SPEC)`. The
 zygote reports on its stdout, one JSON line each, `{"started": rank, "pid": ...}` and
 `{"exited": rank, "code": ...}` (a negative code: killed by that signal); the workers' own
 JSON lines share that stdout (each is one write, and carries its rank). The zygote runs no
@@ -164,7 +164,7 @@ def _child(request: dict[str, Any]) -> int:
     os.dup2(devnull, 0)
     os.close(devnull)
     _enter(request["netns"])
-    return worker.main([request["spec"]])
+    return worker.run_worker(request["spec"])
 
 
 def main() -> int:

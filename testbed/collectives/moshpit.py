@@ -20,13 +20,11 @@ from a live neighbour (`pull_state`). docs/moshpit.md has the details.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import logging
 import secrets
 import socket
-import sys
 import threading
 import time
 import zlib
@@ -534,39 +532,23 @@ def demo_input(rank: int, step: int, numel: int) -> torch.Tensor:
     return torch.randn(numel, generator=generator)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run one demo peer: all-reduce `demo_input` for --steps steps, one JSON line per step."""
-    parser = argparse.ArgumentParser(prog="python -m testbed.collectives.moshpit",
-                                     description=main.__doc__)
-    parser.add_argument("--rank", type=int, required=True)
-    parser.add_argument("--world", type=int, required=True)
-    parser.add_argument("--store", required=True, help="HOST:PORT of the TCPStore")
-    parser.add_argument("--serve-store", action="store_true", help="host the store here")
-    parser.add_argument("--listen", default="127.0.0.1", help="this peer's address")
-    parser.add_argument("--group-size", type=int, default=4)
-    parser.add_argument("--timeout", type=float, default=5.0)
-    parser.add_argument("--heartbeat", type=float, default=1.0)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--numel", type=int, default=100_000)
-    parser.add_argument("--interval", type=float, default=0.0, help="seconds between steps")
-    args = parser.parse_args(argv)
-    host, _, port = args.store.rpartition(":")
-    peer = Moshpit(args.rank, args.world, store=(host, int(port)), listen=(args.listen, 0),
-                   serve_store=args.serve_store, group_size=args.group_size,
-                   timeout=args.timeout, heartbeat=args.heartbeat)
+def run_demo_peer(rank: int, world: int, store: tuple[str, int], *, serve_store: bool = False,
+                  listen: str = "127.0.0.1", group_size: int = 4, timeout: float = 5.0,
+                  heartbeat: float = 1.0, steps: int = 10, numel: int = 100_000,
+                  interval: float = 0.0) -> int:
+    """`testbed moshpit-peer`: all-reduce `demo_input` for `steps` steps, one JSON line per
+    step on stdout (missing peers, coverage, seconds, the result's head and sum)."""
+    peer = Moshpit(rank, world, store=store, listen=(listen, 0), serve_store=serve_store,
+                   group_size=group_size, timeout=timeout, heartbeat=heartbeat)
     try:
-        for step in range(args.steps):
-            result, stats = peer.allreduce(demo_input(args.rank, step, args.numel), step)
+        for step in range(steps):
+            result, stats = peer.allreduce(demo_input(rank, step, numel), step)
             print(json.dumps({
                 "step": step, "missing": list(stats.peers_missing), "coverage": stats.coverage,
                 "seconds": stats.seconds, "head": result[:4].tolist(),
                 "sum": result.double().sum().item(),
             }), flush=True)
-            time.sleep(args.interval)
+            time.sleep(interval)
     finally:
         peer.close()
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -2,7 +2,7 @@
 serving the TCPStore): they reach the exact mean, and when one is killed with SIGKILL mid-run
 the others finish every step, averaging without it.
 
-Each peer is `python -m testbed.collectives.moshpit`, printing one JSON line per step with the
+Each peer is `testbed moshpit-peer`, printing one JSON line per step with the
 head and the sum of its result; its inputs are `demo_input(rank, step)`, so the test
 recomputes what every line should say."""
 
@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def start_peer(lab: Lab, rank: int, out: Path) -> subprocess.Popen[str]:
     host = lab.hosts[rank]
     argv = [
-        sys.executable, "-m", "testbed.collectives.moshpit", "--rank", str(rank),
+        sys.executable, "-m", "testbed.cli", "moshpit-peer", "--rank", str(rank),
         "--world", str(WORLD), "--store", f"{lab.hosts[0].address}:{STORE_PORT}",
         "--listen", host.address, "--group-size", "2", "--timeout", str(TIMEOUT),
         "--heartbeat", "0.1", "--steps", str(STEPS), "--numel", str(NUMEL),

@@ -70,19 +70,19 @@ def test_exported_names_come_from_the_registry():
 
 def test_the_committed_json_is_what_the_code_generates(tmp_path: Path):
     generated = dashboards.generated()
-    assert set(COMMITTED) == set(generated), "run: python -m testbed.dashboards"
+    assert set(COMMITTED) == set(generated), "run: testbed dashboards"
     for name, text in generated.items():
-        assert COMMITTED[name].read_text() == text, f"{name} is stale: python -m testbed.dashboards"
-    assert dashboards.main(["--check"]) == 0
+        assert COMMITTED[name].read_text() == text, f"{name} is stale: testbed dashboards"
+    assert dashboards.write(check=True) == 0
     # --check notices a change, and a file no dashboard generates.
     for name, text in generated.items():
         (tmp_path / name).write_text(text)
-    assert dashboards.main(["--check", "--out", str(tmp_path)]) == 0
+    assert dashboards.write(tmp_path, check=True) == 0
     (tmp_path / "drift.json").write_text(generated["drift.json"].replace("drift", "drfit"))
-    assert dashboards.main(["--check", "--out", str(tmp_path)]) == 1
+    assert dashboards.write(tmp_path, check=True) == 1
     (tmp_path / "drift.json").write_text(generated["drift.json"])
     (tmp_path / "old.json").write_text("{}")
-    assert dashboards.main(["--check", "--out", str(tmp_path)]) == 1
+    assert dashboards.write(tmp_path, check=True) == 1
 
 
 def test_dashboard_uids_are_fixed_and_unique():

@@ -20,7 +20,7 @@ from concurrently import concurrently
 from testbed.collectives.base import Collective
 from testbed.collectives.grid import Grid
 from testbed.collectives.membership import Member, Membership, host_store
-from testbed.collectives.moshpit import Moshpit, MoshpitStats, demo_input, main
+from testbed.collectives.moshpit import Moshpit, MoshpitStats, demo_input, run_demo_peer
 
 NUMEL = 100_000
 WAIT = 10.0  # seconds any bounded poll may take before the test fails
@@ -253,8 +253,8 @@ def test_what_the_wire_cannot_carry_is_refused_before_sending(swarm):
 
 
 def test_demo_peer_prints_a_line_per_step(capsys):
-    assert main(["--rank", "0", "--world", "1", "--store", "127.0.0.1:0", "--serve-store",
-                 "--steps", "2", "--numel", "10", "--heartbeat", "0.1"]) == 0
+    assert run_demo_peer(0, 1, ("127.0.0.1", 0), serve_store=True, steps=2, numel=10,
+                         heartbeat=0.1) == 0
 
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [line["step"] for line in lines] == [0, 1]
