@@ -11,6 +11,7 @@ from netem.probe.analysis import (
     Check,
     ProbeResult,
     Train,
+    analyze,
     bulk_rate,
     compare,
     expected_burst_mean,
@@ -18,7 +19,6 @@ from netem.probe.analysis import (
     late_arrivals,
     loss_bursts,
     overtaking_arrivals,
-    summarize,
 )
 from netem.probe.engine import (
     DEFAULT_SIZE,
@@ -61,6 +61,7 @@ __all__ = [
     "ProbeResult",
     "RateResult",
     "Train",
+    "analyze",
     "bulk_rate",
     "compare",
     "decode",
@@ -74,5 +75,4 @@ __all__ = [
     "overtaking_arrivals",
     "probe",
     "run_train",
-    "summarize",
 ]

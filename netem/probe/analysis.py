@@ -1,6 +1,6 @@
 """What a probe train says about a link: statistics, and verdicts against a profile.
 
-Pure and vectorised: `summarize` turns what a train delivered (`Train`) into loss and its
+Pure and vectorised: `analyze` turns what a train delivered (`Train`) into loss and its
 bursts, one-way delay, reordering, duplication and corruption (`ProbeResult`); `compare` sets
 each measured quantity beside what a `LinkProfile` predicts, with a tolerance and a verdict
 (`Check`). docs/probes.md explains the models and the tolerances.
@@ -131,7 +131,7 @@ class ProbeResult:
         return self.size + FRAME_OVERHEAD
 
 
-def summarize(train: Train) -> ProbeResult:
+def analyze(train: Train) -> ProbeResult:
     """The statistics of a train; all vectorised."""
     seq = train.seq.astype(np.int64)
     in_range = (seq >= 0) & (seq < train.sent)

@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from netem.namespace import NamespaceError, udp_socket_in
-from netem.probe.analysis import ProbeResult, Train, bulk_rate, summarize
+from netem.probe.analysis import ProbeResult, Train, analyze, bulk_rate
 from netem.probe.wire import (
     FRAME_OVERHEAD,
     HEADER,
@@ -449,7 +449,7 @@ def probe(
     """Measure the link from namespace `source` to `address` in namespace `destination` (None:
     this process's namespace): a timed probe train, then, if `rate_duration` > 0, a bulk train
     for the rate."""
-    result = summarize(
+    result = analyze(
         run_train(
             source, destination, address, count=count, interval=interval, size=size, timeout=timeout
         )

@@ -49,9 +49,7 @@ from testbed.collectives.estimate import AdaptiveDeadline, ChunkAccumulator
 from testbed.transport.tcp import Listener, StreamMesh
 from testbed.transport.tensors import codec_of, values_of
 from testbed.transport.udp import DatagramEndpoint, Landing, Sink, chunk_count
-from testbed.transport.wire import Codec, Kind
-
-BUCKETS = 1 << 32  # the datagram header's bucket field: calls are numbered modulo this
+from testbed.transport.wire import BUCKETS, Codec, Kind
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,8 @@ from testbed.transport.tensors import codec_of, dtype_of
 from testbed.transport.wire import FRAME_SIZE, Kind
 
 ACCEPT_WAIT = 60.0  # seconds per accept call; `close` wakes the loop by connecting to it
-_SEQ_BITS, _DIGEST_BITS = 10, 20  # bucket = phase (2 bits) | round in the step | member digest
+# The header's bucket: phase (2 bits) | round in the step | member digest (testbed.transport.wire).
+_SEQ_BITS, _DIGEST_BITS = 10, 20
 log = logging.getLogger(__name__)
 
 

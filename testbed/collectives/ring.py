@@ -15,9 +15,7 @@ import torch
 
 from testbed.collectives.base import AllReduceStats, CollectiveBase
 from testbed.transport.tcp import Listener, StreamMesh
-from testbed.transport.wire import Kind
-
-BUCKETS = 1 << 16  # the frame header's bucket field: calls are numbered modulo this
+from testbed.transport.wire import BUCKETS, Kind
 
 
 class Ring(CollectiveBase):

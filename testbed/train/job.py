@@ -81,7 +81,7 @@ class RunSummary:
         return baseline.step_seconds / self.step_seconds
 
 
-def summarize(records: Iterable[StepRecord]) -> RunSummary:
+def summarize_steps(records: Iterable[StepRecord]) -> RunSummary:
     records = list(records)
     computed = sum(r.micro_batches for r in records)
     dropped = sum(r.micro_batches_dropped for r in records)
@@ -102,7 +102,7 @@ class TrainResult:
 
     @property
     def summary(self) -> RunSummary:
-        return summarize(self.records)
+        return summarize_steps(self.records)
 
 
 def load_dataset(config: TrainConfig) -> Dataset:

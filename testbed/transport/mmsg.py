@@ -136,7 +136,7 @@ class ReceiveRing:
 
 
 @dataclass(frozen=True)
-class Run:
+class Batch:
     """One tensor's messages to one address (`name`, a C sockaddr): message i is `headers[i]`
     followed by bytes `starts[i]:ends[i]` of the concatenation of `parts` ((address, nbytes)
     each; the caller keeps that memory alive while the messages are sent)."""
@@ -154,7 +154,7 @@ class Outgoing:
     paced at a link's rate and sending to several peers at once gives each of them an even
     share at any moment; `run[i]` and `size[i]`: message i's run and bytes."""
 
-    def __init__(self, runs: Sequence[Run]) -> None:
+    def __init__(self, runs: Sequence[Batch]) -> None:
         self._keep: list[object] = []  # what the message vector points into
         vectors = []
         for run in runs:

@@ -44,7 +44,7 @@ from testbed.transport.counters import (
     socket_drops,
 )
 from testbed.transport.errors import TransportError
-from testbed.transport.mmsg import Outgoing, ReceiveRing, Run, address_of, mmsg_calls, sockaddr
+from testbed.transport.mmsg import Batch, Outgoing, ReceiveRing, address_of, mmsg_calls, sockaddr
 from testbed.transport.tensors import as_bytes, bits, bits_dtype, codec_of, dtype_of
 from testbed.transport.wire import (
     ETHERNET_HEADER,
@@ -553,7 +553,7 @@ class DatagramEndpoint:
             template = Header(MAGIC, VERSION, kind, codec, self.rank, self.run_id,
                               self.incarnation, 0, step, bucket, 0, 0, 0)
             headers = encode_headers(template, self._next_seq[peer], ends - starts)
-            runs.append(Run(name, headers, [(a.ctypes.data, a.size) for a in arrays], starts,
+            runs.append(Batch(name, headers, [(a.ctypes.data, a.size) for a in arrays], starts,
                             ends))
         for peer, run in zip(peers, runs, strict=True):
             self._next_seq[peer] += len(run.starts)

@@ -11,6 +11,13 @@ with the datagram's length, or raises `MalformedDatagram` with a `Reason` (never
 so a receive loop can count the reason and go on. `accepted` is its vectorised twin for the
 common case; a receive loop asks `decode` about the datagrams `accepted` turns down, and the
 decoder's word is final.
+
+`step` and `bucket` (32 bits each) say which call a datagram or message belongs to. `bucket`
+tells apart the calls of one step: lossy and the ring number their calls within a step and the
+compressors' exchanges number theirs, all modulo `BUCKETS`; Moshpit packs three things into it,
+the phase of a round (2 bits), the round within the step (10 bits) and a digest of the group's
+members (20 bits), so a message of another round or another group is never taken for this one
+(`testbed.collectives.moshpit`).
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ IPV6_HEADER = 40
 UDP_HEADER = 8
 ETHERNET_HEADER = 14
 MAX_IP_PACKET = 65535  # IPv4 total length (and IPv6 payload length) are 16-bit
+BUCKETS = 1 << 32  # the header's bucket field (datagrams and frames): calls number modulo this
 
 
 class Kind(IntEnum):

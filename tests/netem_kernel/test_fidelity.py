@@ -23,11 +23,11 @@ from netem.probe import (
     HEADER_DTYPE,
     KIND_PROBE,
     ProbeResult,
+    analyze,
     compare,
     offered_load,
     probe,
     run_train,
-    summarize,
 )
 from netem.profile import LinkProfile
 
@@ -133,7 +133,7 @@ def test_corrupt_flips_one_bit_per_damaged_frame(make_lab):
     ):
         train = run_train(sender.netns, receiver.netns, receiver.address, size=size)
         before, after = frames_of(sent, frame), frames_of(arrived, frame)
-    result = summarize(train)
+    result = analyze(train)
     assert_faithful(profile, result, "corrupt")
     assert before.shape == after.shape  # corruption never drops a frame on the wire
     flipped = np.unpackbits(before ^ after, axis=1)

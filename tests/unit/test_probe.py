@@ -20,6 +20,7 @@ from netem.probe import (
     ProbeError,
     ProbeResult,
     Train,
+    analyze,
     bulk_rate,
     compare,
     decode,
@@ -30,7 +31,6 @@ from netem.probe import (
     loss_bursts,
     overtaking_arrivals,
     probe,
-    summarize,
 )
 from netem.profile import LinkProfile
 
@@ -64,7 +64,7 @@ def train(seq, *, sent: int, delays=None, payload_ok=None, **fields) -> Train:
 
 def perfect(n: int = 10_000, **changes) -> ProbeResult:
     return dataclasses.replace(
-        summarize(train(np.arange(n), sent=n, delays=np.zeros(n))), **changes
+        analyze(train(np.arange(n), sent=n, delays=np.zeros(n))), **changes
     )
 
 
@@ -109,7 +109,7 @@ def test_summary_of_a_train_with_every_impairment():
     # 10 sent; 3 and 7,8 lost; 5 duplicated; 6 overtakes 4; 9's payload damaged; 2 malformed.
     seq = [0, 1, 2, 6, 4, 5, 5, 9]
     delays = [0.010, 0.012, 0.010, 0.001, 0.014, 0.010, 0.011, 0.010]
-    result = summarize(
+    result = analyze(
         train(seq, sent=10, delays=delays, payload_ok=[1, 1, 1, 1, 1, 1, 1, 0], malformed=2)
     )
     assert (result.sent, result.received, result.arrivals) == (10, 7, 8)
@@ -128,12 +128,12 @@ def test_summary_of_a_train_with_every_impairment():
 
 
 def test_send_errors_are_not_counted_as_losses():
-    result = summarize(train([0, 1, 3], sent=5, send_errors=np.array([2, 4])))
+    result = analyze(train([0, 1, 3], sent=5, send_errors=np.array([2, 4])))
     assert (result.sent, result.loss_ratio, result.send_errors) == (3, 0.0, 2)
 
 
 def test_an_empty_train_gives_nan_delays_not_an_error():
-    result = summarize(train([], sent=100))
+    result = analyze(train([], sent=100))
     assert result.loss_ratio == 1.0
     assert result.loss_bursts == {100: 1}
     assert math.isnan(result.delay_mean) and math.isnan(result.duplicate_ratio)

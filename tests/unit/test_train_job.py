@@ -17,7 +17,7 @@ from testbed.collectives.base import AllReduceStats, Collective
 from testbed.train.config import TrainConfig
 from testbed.train.data import Shard
 from testbed.train.dropcompute import pack, unpack
-from testbed.train.job import Job, StepRecord, load_dataset, summarize, train
+from testbed.train.job import Job, StepRecord, load_dataset, summarize_steps, train
 from testbed.train.models import build_model, loss_fn
 from testbed.train.strategies import build_optimizer
 
@@ -244,8 +244,8 @@ def test_auto_threshold_is_shared_meets_its_target_and_beats_the_synchronous_bas
     assert len(thresholds) == 1 and 0 < thresholds.pop() < float("inf")
     assert all(r.threshold_seconds is None for records in dropping for r in records[: warmup - 1])
     assert all(r.micro_batches_dropped == 0 for records in dropping for r in records[:warmup])
-    after = summarize(r for records in dropping for r in records[warmup:])
-    before = summarize(r for records in baseline for r in records[warmup:])
+    after = summarize_steps(r for records in dropping for r in records[warmup:])
+    before = summarize_steps(r for records in baseline for r in records[warmup:])
     assert 0.1 <= after.drop_rate <= 0.3
     assert before.drop_rate == 0
     assert after.speedup_over(before) > 1.1

@@ -16,9 +16,7 @@ from typing import Any, Protocol
 
 import torch
 
-from testbed.transport.wire import Kind
-
-BUCKETS = 1 << 16  # frame headers number buckets modulo this (as the ring does)
+from testbed.transport.wire import BUCKETS, Kind
 
 
 class Shift(Protocol):
