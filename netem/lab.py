@@ -161,9 +161,11 @@ def _create_namespace(name: str) -> None:
         raise OSError(f"ip netns add {name}: {result.stderr.strip()}")
 
 
-def lab_namespaces(prefix: str = NAME_PREFIX) -> list[str]:
-    """Namespaces whose name marks them as made by a lab with this prefix."""
-    return sorted(name for name in netns.listnetns() if _is_ours(name, prefix))
+def lab_namespaces(prefix: str = NAME_PREFIX, *, orphans_only: bool = False) -> list[str]:
+    """Namespaces whose name marks them as made by a lab with this prefix (`orphans_only`:
+    only those whose owning process is gone, which nobody will remove but `clean`)."""
+    return sorted(name for name in netns.listnetns() if _is_ours(name, prefix)
+                  and not (orphans_only and _owner_alive(name.partition("-")[0])))
 
 
 def remove_namespaces(prefix: str = NAME_PREFIX, *, orphans_only: bool = False) -> list[str]:
@@ -173,10 +175,8 @@ def remove_namespaces(prefix: str = NAME_PREFIX, *, orphans_only: bool = False) 
     never pulls the network from under a live run.
     """
     removed = []
-    for name in lab_namespaces(prefix):
+    for name in lab_namespaces(prefix, orphans_only=orphans_only):
         lab = name.partition("-")[0]
-        if orphans_only and _owner_alive(lab):
-            continue
         _kill_processes_in(name)
         netns.remove(name)
         (OWNERS / lab).unlink(missing_ok=True)
