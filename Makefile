@@ -14,6 +14,7 @@ measure: bootstrap
 
 test: bootstrap
 	$(VENV)/bin/ruff check netem testbed tests benchmarks
+	$(VENV)/bin/lint-imports
 	$(VENV)/bin/python -m pytest -m "not netem_kernel and not compose" tests
 	$(VENV)/bin/python -m pytest -m compose tests
 	$(VENV)/bin/testbed sandbox pytest -m netem_kernel tests
@@ -25,6 +26,7 @@ soak: bootstrap
 
 lint: bootstrap
 	$(VENV)/bin/ruff check netem testbed tests benchmarks
+	$(VENV)/bin/lint-imports
 
 clean: bootstrap
 	$(VENV)/bin/testbed clean

@@ -113,8 +113,7 @@ class CollectiveBase:
         return None
 
     def neighbour_exchange(self) -> Shift | None:
-        """The reliable point-to-point exchange compressors use (capability
-        `reliable_exchange`): over `mesh` by default, None where there is none."""
-        from testbed.collectives.compression.exchange import mesh_shift
-
-        return mesh_shift(self.mesh, self.rank, self.world, self.timeout)
+        """A reliable point-to-point exchange of its own for compressors (capability
+        `reliable_exchange`; gloo: isend/irecv). None: the compression layer uses `mesh`, if
+        the collective has one."""
+        return None

@@ -34,7 +34,7 @@ def test_capabilities_match_the_implementation(kind):
     capabilities = registry.kind(kind).capabilities
     assert issubclass(cls, CollectiveBase) and cls.name == kind
     assert callable(getattr(cls, "step", None)) == capabilities.sharded_step
-    if capabilities.reliable_exchange:  # its own exchange, or TCP streams for the default one
+    if capabilities.reliable_exchange:  # its own exchange, or TCP streams for the mesh one
         assert (cls.neighbour_exchange is not CollectiveBase.neighbour_exchange
                 or isinstance(inspect.getattr_static(cls, "mesh"), property)), kind
     if capabilities.exact:

@@ -23,7 +23,7 @@ import torch
 
 from testbed.collectives.base import AllReduceStats, Capabilities, CollectiveBase
 from testbed.collectives.compression import quantize as q
-from testbed.collectives.compression.exchange import Shift, all_gather
+from testbed.collectives.compression.exchange import Shift, all_gather, mesh_shift
 from testbed.collectives.compression.powersgd import PowerSGD
 from testbed.collectives.compression.sparsify import ARCTopK, RandK, TopK
 from testbed.collectives.registry import COMPRESSORS, compressor_kind
@@ -198,7 +198,9 @@ class Compressed(CollectiveBase):
         self.inner, self.compressor, self.dense_tail = inner, compressor, dense_tail
         self.rank, self.world = inner.rank, inner.world
         self.name = f"{inner.name}+{compressor.kind}"
-        self.shift = inner.neighbour_exchange() if inner.world > 1 else None
+        self.shift = None if inner.world == 1 else (
+            inner.neighbour_exchange()
+            or mesh_shift(inner.mesh, inner.rank, inner.world, inner.timeout))
         needed = COMPRESSORS[compressor.kind].exchange_needed(inner.capabilities)
         if needed and self.shift is None and inner.world > 1:
             raise ValueError(
