@@ -14,13 +14,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from testbed.collectives.base import Capabilities
 
 Address = tuple[str, int]
+T = TypeVar("T")
 
 
 class CollectiveOptions(BaseModel):
@@ -101,11 +102,14 @@ def kinds() -> tuple[str, ...]:
 
 def kind(name: str) -> Kind:
     """The entry of collective `name`; an unknown name is told what is allowed."""
+    return _entry(_KINDS, "collective.kind", name)
+
+
+def _entry(table: dict[str, T], field: str, name: str) -> T:
     try:
-        return _KINDS[name]
+        return table[name]
     except KeyError:
-        raise ValueError(f"collective.kind: expected one of {', '.join(_KINDS)}, "
-                         f"got {name!r}") from None
+        raise ValueError(f"{field}: expected one of {', '.join(table)}, got {name!r}") from None
 
 
 def with_capability(flag: str) -> list[str]:
@@ -218,8 +222,4 @@ COMPRESSORS: dict[str, CompressorKind] = {c.name: c for c in (
 
 def compressor_kind(name: str) -> CompressorKind:
     """The entry of compressor `name`; an unknown name is told what is allowed."""
-    try:
-        return COMPRESSORS[name]
-    except KeyError:
-        raise ValueError(f"compressor.kind: expected one of {', '.join(COMPRESSORS)}, "
-                         f"got {name!r}") from None
+    return _entry(COMPRESSORS, "compressor.kind", name)
