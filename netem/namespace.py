@@ -64,3 +64,14 @@ def udp_socket_in(netns: str | None) -> socket.socket:
     """A UDP socket in `netns`."""
     with inside(netns):
         return socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+
+
+def interface_with(address: str) -> str | None:
+    """The name of the interface that holds IPv4 `address` in this thread's namespace (None:
+    no interface does)."""
+    with IPRoute() as ipr:
+        for entry in ipr.get_addr(family=socket.AF_INET):
+            if entry.get_attr("IFA_ADDRESS") == address:
+                (link,) = ipr.get_links(entry["index"])
+                return link.get_attr("IFLA_IFNAME")
+    return None

@@ -747,47 +747,20 @@ def _run_in_guest(path, name: str, steps: int | None, out: str | None) -> int:
 
 
 def _run_here(path, steps: int | None, out: str | None) -> None:
-    import math
     import os
 
     from rich.console import Console
     from rich.live import Live
-    from rich.table import Table
 
     from netem.plan import UnsupportedByKernel
-    from testbed.cluster.runner import ClusterRun, WorkerState
+    from testbed.cluster.runner import ClusterRun
 
     console = Console(force_terminal=True if os.environ.get(FORCE_TERMINAL) else None)
     cluster = ClusterRun(path, steps=steps, run_dir=out)
-    total = cluster.scenario.job.steps
-
-    def number(value: float | None, digits: int = 4) -> str:
-        return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else (
-            f"{value:.{digits}g}")
-
-    datagrams = cluster.scenario.collective.capabilities.datagrams  # lost ones are counted
-
-    def table(workers: list[WorkerState]) -> Table:
-        view = Table(title=f"{cluster.scenario.name}: {cluster.scenario.summary()}")
-        for column in ("worker", "status", "step", "loss", "step time (s)", "coverage",
-                       *(["datagrams lost"] if datagrams else []), "drift"):
-            view.add_column(column)
-        if cluster.metrics_urls and not os.environ.get("TESTBED_IN_GUEST"):
-            first, last = cluster.metrics_urls[0], cluster.metrics_urls[-1]
-            view.caption = (f"/metrics of worker 0: {first}" if first == last else
-                            f"/metrics of workers 0..{len(workers) - 1}: {first} .. {last}")
-        for w in workers:
-            view.add_row(str(w.rank), w.status + (f" (restarted {w.restarts}x)" if w.restarts
-                                                  else ""),
-                         f"{w.step + 1}/{total}", number(w.loss), number(w.step_seconds, 3),
-                         number(w.coverage, 3),
-                         *([f"{w.datagrams_lost:.0f}"] if datagrams else []), number(w.drift, 3))
-        return view
-
     console.print(f"run directory: {cluster.run_dir}")
     try:
-        with Live(table(cluster.workers), console=console, refresh_per_second=4) as live:
-            result = cluster.run(lambda workers: live.update(table(workers)))
+        with Live(_live_table(cluster), console=console, refresh_per_second=4) as live:
+            result = cluster.run(lambda workers: live.update(_live_table(cluster)))
     except KeyboardInterrupt:
         console.print(f"[yellow]interrupted: everything the run made is removed; what it "
                       f"wrote is in {cluster.run_dir}")
@@ -795,20 +768,94 @@ def _run_here(path, steps: int | None, out: str | None) -> None:
     except UnsupportedByKernel as error:
         console.print(f"[red]{error}")
         raise typer.Exit(1) from None
-    summary = Table(title=f"{cluster.scenario.name}: summary ({result.seconds:.1f} s)")
-    for column in ("worker", "status", "steps", "final loss", "evaluation"):
-        summary.add_column(column)
-    for w in result.workers:
-        evaluation = ", ".join(f"{k} {v:.4g}" for k, v in sorted(w.evaluation.items()))
-        summary.add_row(str(w.rank), w.status, str(w.step + 1), number(w.loss), evaluation or "-")
-    console.print(summary)
+    console.print(_summary_table(cluster, result))
     console.print(f"run directory: {result.run_dir}")
     if result.html is not None:
         console.print(f"report: {result.html}")
     if not result.success:
         console.print(f"[red]the run failed: {result.error}")
+        for rank, lines in _command_tails(cluster, result).items():
+            console.print(f"worker {rank}'s command, the last lines of its stderr:")
+            console.print("\n".join(lines), markup=False, highlight=False)
         raise typer.Exit(1)
     console.print("[green]the run succeeded")
+
+
+def _number(value: float | None, digits: int = 4) -> str:
+    import math
+
+    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else (
+        f"{value:.{digits}g}")
+
+
+def _live_table(cluster):
+    """Each worker's state: a training job's step, loss, timing, coverage, losses and drift;
+    a command job's status, how long it has run and its exit code."""
+    import os
+    import time
+
+    from rich.table import Table
+
+    scenario, workers = cluster.scenario, cluster.workers
+    view = Table(title=f"{scenario.name}: {scenario.summary()}")
+    if scenario.command is not None:
+        columns = ("worker", "status", "running (s)", "exit code")
+        rows = [(w.seconds if w.seconds is not None else
+                 time.monotonic() - w.started if w.started is not None else None, w)
+                for w in workers]
+        cells = [[_number(seconds, 3), "-" if w.exit_code is None else str(w.exit_code)]
+                 for seconds, w in rows]
+    else:
+        datagrams = scenario.collective.capabilities.datagrams  # lost ones are counted
+        columns = ("worker", "status", "step", "loss", "step time (s)", "coverage",
+                   *(["datagrams lost"] if datagrams else []), "drift")
+        cells = [[f"{w.step + 1}/{scenario.job.steps}", _number(w.loss),
+                  _number(w.step_seconds, 3), _number(w.coverage, 3),
+                  *([f"{w.datagrams_lost:.0f}"] if datagrams else []), _number(w.drift, 3)]
+                 for w in workers]
+    for column in columns:
+        view.add_column(column)
+    if cluster.metrics_urls and not os.environ.get("TESTBED_IN_GUEST"):
+        first, last = cluster.metrics_urls[0], cluster.metrics_urls[-1]
+        view.caption = (f"/metrics of worker 0: {first}" if first == last else
+                        f"/metrics of workers 0..{len(workers) - 1}: {first} .. {last}")
+    for w, row in zip(workers, cells, strict=True):
+        status = w.status + (f" (restarted {w.restarts}x)" if w.restarts else "")
+        view.add_row(str(w.rank), status, *row)
+    return view
+
+
+def _summary_table(cluster, result):
+    from rich.table import Table
+
+    summary = Table(title=f"{cluster.scenario.name}: summary ({result.seconds:.1f} s)")
+    if cluster.scenario.command is not None:
+        for column in ("worker", "status", "exit code", "seconds", "restarts"):
+            summary.add_column(column)
+        for w in result.workers:
+            summary.add_row(str(w.rank), w.status,
+                            "-" if w.exit_code is None else str(w.exit_code),
+                            _number(w.seconds, 3), str(w.restarts))
+        return summary
+    for column in ("worker", "status", "steps", "final loss", "evaluation"):
+        summary.add_column(column)
+    for w in result.workers:
+        evaluation = ", ".join(f"{k} {v:.4g}" for k, v in sorted(w.evaluation.items()))
+        summary.add_row(str(w.rank), w.status, str(w.step + 1), _number(w.loss),
+                        evaluation or "-")
+    return summary
+
+
+def _command_tails(cluster, result) -> dict[int, list[str]]:
+    """The last lines of the stderr of each failed worker's command (a command job)."""
+    if cluster.scenario.command is None:
+        return {}
+    tails = {}
+    for w in result.workers:
+        path = result.run_dir / "logs" / f"worker-{w.rank}.stderr"
+        if w.status == "failed" and path.exists():
+            tails[w.rank] = path.read_text(errors="replace").rstrip("\n").splitlines()[-10:]
+    return tails
 
 
 if __name__ == "__main__":  # `python -m testbed.cli`, as the sandbox runs it in a guest

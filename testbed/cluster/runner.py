@@ -71,6 +71,10 @@ class WorkerState:
     restarts: int = 0
     ready: bool = False  # set up and past the start barrier: training began
     lingering: bool = False  # done, and serving /metrics until told to end (metrics.linger)
+    # A command job's: its process group, when it started (monotonic), how long it ran.
+    command_pid: int | None = None
+    started: float | None = None
+    seconds: float | None = None
 
 
 @dataclass
@@ -142,7 +146,7 @@ class ClusterRun:
             with (ClusterNetwork(self.scenario, backend=self.backend) as network,
                   contextlib.ExitStack() as stack):
                 writer.event("cluster", prefix=network.prefix, hosts=network.hosts,
-                             congestion=network.congestion, backend=self.backend)
+                             congestion=network.congestion, backend=network.backend)
                 self._write_specs(network)
                 stack.enter_context(self._relay(network, writer))
                 zygote_log = stack.enter_context(open(self.run_dir / "logs" / "zygote.log", "a"))
@@ -215,7 +219,8 @@ class ClusterRun:
             spec = WorkerSpec(scenario=str(scenario_copy.resolve()), steps=self.steps, rank=rank,
                               world=self.scenario.count, hosts=list(network.hosts),
                               run_dir=str(self.run_dir.resolve()), run_id=run_id,
-                              run_store=network.control_address)
+                              run_store=network.control_address,
+                              base_dir=str(self.scenario_path.resolve().parent))
             self._spec_path(rank).write_text(spec.to_json())
         self._namespaces = [network.namespace(rank) for rank in range(self.scenario.count)]
 
@@ -257,7 +262,12 @@ class ClusterRun:
             if process is not None and process.poll() is None:
                 _signal_group(process, signal.SIGKILL)
                 process.wait()
-            self.workers[rank].status = "killed"
+            state = self.workers[rank]
+            if state.command_pid is not None:  # a command job: its own process group too
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(state.command_pid, signal.SIGKILL)
+                state.command_pid = None
+            state.status = "killed"
 
     def _restart(self, ranks: list[int]) -> None:
         """A preempted worker comes back and rejoins where the live ones are by then."""
@@ -334,9 +344,14 @@ class ClusterRun:
         state = self.workers[rank]
         if report.get("ready"):
             state.ready = True
+            if isinstance(report.get("command_pid"), int):  # a command job: it runs now
+                state.command_pid, state.started = report["command_pid"], time.monotonic()
+                state.status = "running"
             return
         if report.get("done"):
             state.evaluation = dict(report.get("evaluation") or {})
+            if isinstance(report.get("seconds"), int | float):
+                state.seconds = float(report["seconds"])
             return
         if report.get("lingering"):
             state.lingering = True

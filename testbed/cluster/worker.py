@@ -18,6 +18,7 @@ every case.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -48,8 +49,10 @@ class WorkerSpec:
     rank in `world`, every worker's address (`hosts`, by rank), the base `ports`, the run
     directory and the run's id. With `port_stride`, rank r listens on base + r * stride, so
     several workers can share one address (a single-host run on loopback). `run_store`: the
-    address of the run's store (None: worker 0's). `rejoin`: a worker restarted after a
-    preemption, which joins the run where the others are."""
+    address of the run's store (None: worker 0's). `base_dir`: what paths in the scenario are
+    relative to (None: the scenario file's directory; the runner gives workers a copy of the
+    file, so it names the original's). `rejoin`: a worker restarted after a preemption, which
+    joins the run where the others are."""
 
     scenario: str
     rank: int
@@ -62,6 +65,7 @@ class WorkerSpec:
     port_stride: int = 0
     metrics_address: str = "0.0.0.0"
     run_store: str | None = None
+    base_dir: str | None = None
     rejoin: bool = False
 
     def __post_init__(self) -> None:
@@ -245,6 +249,14 @@ class WorkerControl:
         """Apply what was appended since the last look."""
         self._read(bursts=True)
 
+    def paused_until(self) -> float | None:
+        """For a command job, which has no steps: the wall-clock time until which the bursts
+        in force pause it (None: none is in force). Reads the file first."""
+        self.poll()
+        now = time.time()
+        self._active = [burst for burst in self._active if burst[2] is None or burst[2] > now]
+        return max((until for _, _, until in self._active if until is not None), default=None)
+
     def delay(self) -> float:
         """Seconds the bursts in force add to this step's compute."""
         now, total, still = time.time(), 0.0, []
@@ -333,6 +345,8 @@ class Worker:
             for peer in range(spec.world):
                 if peer != spec.rank:
                     metrics.set_link_profile(peer, scenario.link_profile(peer, spec.rank))
+            if scenario.command is not None:
+                return self._run_command(scenario, writer, metrics)
             collective = collectives.place(scenario.collective.kind, placement(spec, scenario),
                                            scenario.collective.options())
             compressor = scenario.collective.compressor
@@ -365,6 +379,22 @@ class Worker:
             metrics.close()
             writer.close()
         return 0
+
+    def _run_command(self, scenario: Any, writer: Any, metrics: Any) -> int:
+        """A command of the user's own instead of training (`testbed.cluster.command`); it
+        lingers like a training job once the command exited 0."""
+        from testbed.cluster.command import run_command
+
+        spec = self.spec
+        control = WorkerControl(control_path(spec.run_dir, spec.rank), scenario.seed, spec.rank,
+                                on_link=metrics.set_link_profile)
+        code = run_command(spec, scenario, say=say, writer=writer, control=control,
+                           on_start=self.on_start)
+        if code == 0 and scenario.metrics.linger:  # the runner's SIGTERM ends it sooner
+            say(rank=spec.rank, lingering=True)
+            with contextlib.suppress(SystemExit):
+                time.sleep(scenario.metrics.linger)
+        return code
 
     def _train(self, scenario: Any, collective: Any, writer: Any, metrics: Any,
                exchange: PeerExchange) -> dict[str, float]:

@@ -7,13 +7,13 @@ torch.distributed keeps one default process group per process, so a process hold
 from __future__ import annotations
 
 import os
-import subprocess
 import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from netem.namespace import interface_with
 from testbed.collectives.base import AllReduceStats, CollectiveBase
 from testbed.collectives.compression.exchange import GlooShift
 
@@ -33,7 +33,7 @@ class Gloo(CollectiveBase):
         if dist.is_initialized():
             raise RuntimeError("gloo: this process already has a torch.distributed group")
         self.rank, self.world, self.timeout = rank, world, timeout
-        if interface_address is not None and (iface := interface_of(interface_address)):
+        if interface_address is not None and (iface := interface_with(interface_address)):
             os.environ.setdefault("GLOO_SOCKET_IFNAME", iface)
         host, port = master
         dist.init_process_group(
@@ -55,13 +55,3 @@ class Gloo(CollectiveBase):
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def interface_of(address: str) -> str | None:
-    """The interface holding `address` in this namespace."""
-    listing = subprocess.run(["ip", "-o", "-4", "addr", "show"], capture_output=True, text=True)
-    for line in listing.stdout.splitlines():
-        fields = line.split()
-        if len(fields) > 3 and fields[3].split("/")[0] == address:
-            return fields[1]
-    return None

@@ -13,6 +13,7 @@ from typing import Any
 from testbed.report.plots import PLOTS, draw_all
 from testbed.report.run import INDEX, SUMMARY, Run, load_run, summarize
 from testbed.report.run import PLOTS as PLOTS_DIR
+from testbed.scenario import ScenarioError, load_scenario
 
 COMPARISON = "comparison.html"
 
@@ -111,6 +112,43 @@ def _figures(drawn: dict[str, Path], skipped: dict[str, str], base: Path) -> str
     return "\n".join(parts)
 
 
+def _network(run: Run) -> str:
+    """The network the run had: where it was shaped and with what TCP congestion control, and
+    every directed link's profile before the timeline changed any (links of one profile in
+    one row); the faults below say what changed."""
+    if not run.scenario:
+        return ""
+    try:
+        scenario = load_scenario(run.scenario)
+    except ScenarioError as error:
+        return f"<h2>Network</h2><p>The scenario cannot be read: {html.escape(str(error))}</p>"
+    cluster = next((e for e in run.other if e.get("type") == "cluster"), {})
+    where = ", ".join(f"{key} {html.escape(str(cluster[key]))}"
+                      for key in ("backend", "prefix") if key in cluster)
+    chosen = cluster.get("congestion") or {"all": scenario.topology.congestion}
+    congestion = (next(iter(set(chosen.values()))) if len(set(chosen.values())) == 1 else
+                  ", ".join(f"worker {rank}: {name}" for rank, name in chosen.items()))
+    grouped: dict[str, list[str]] = {}
+    for (src, dst), profile in sorted(scenario.links().items()):
+        grouped.setdefault(str(profile) or "unshaped", []).append(f"{src}→{dst}")
+    rows = "".join(f'<tr><td class="text">{html.escape(profile)}</td>'
+                   f'<td class="text">{", ".join(links)}</td></tr>'
+                   for profile, links in grouped.items())
+    return (f"<h2>Network</h2><p>{scenario.count} workers; {where or 'shaped'}; TCP "
+            f"congestion control {html.escape(congestion)}.</p>"
+            f'<table><tr><th class="text">profile</th><th class="text">links</th></tr>{rows}'
+            "</table>")
+
+
+def _commands(commands: list[dict[str, Any]]) -> str:
+    rows = "".join(
+        f'<tr><td class="text">worker {c["rank"]}</td><td>{c["runs"]}</td>'
+        f'<td>{c["exit_code"]}</td><td>{format_value(c["seconds"], ".2f")}</td></tr>'
+        for c in commands)
+    return ('<h2>Commands</h2><table><tr><th class="text">worker</th><th>runs</th>'
+            f"<th>last exit code</th><th>last run (s)</th></tr>{rows}</table>")
+
+
 def _warnings(warnings: list[str]) -> str:
     if not warnings:
         return ""
@@ -165,8 +203,10 @@ def render_run(run_dir: str | Path | Run, out_dir: str | Path | None = None) -> 
     ]
     if summary.get("error"):
         body.append(f'<p class="fail">Error: {html.escape(str(summary["error"]))}</p>')
-    body += [_warnings(run.warnings), "<h2>Plots</h2>", _figures(drawn, skipped, out),
-             "<h2>Workers</h2>",
+    body += [_warnings(run.warnings), _network(run)]
+    if summary.get("commands"):
+        body.append(_commands(summary["commands"]))
+    body += ["<h2>Plots</h2>", _figures(drawn, skipped, out), "<h2>Workers</h2>",
              _table([(f"worker {w['rank']}", w) for w in summary["per_worker"]],
                     _WORKER_FIGURES, "worker")]
     if run.faults:

@@ -204,6 +204,19 @@ def _last_by_rank(values: np.ndarray, index: np.ndarray, count: int) -> np.ndarr
     return result
 
 
+def command_runs(run: Run) -> list[dict[str, Any]]:
+    """A command job's workers: how often each ran its command (a restart runs it again), the
+    last exit code, its seconds and the seconds of every run."""
+    exits: dict[int, list[dict[str, Any]]] = {}
+    for event in run.other:
+        if event.get("type") == "command" and event.get("phase") == "exit":
+            exits.setdefault(int(event["rank"]), []).append(event)
+    return [{"rank": rank, "runs": len(ended), "exit_code": ended[-1].get("code"),
+             "seconds": ended[-1].get("seconds"),
+             "total_seconds": sum(e.get("seconds") or 0.0 for e in ended)}
+            for rank, ended in sorted(exits.items())]
+
+
 def summarize(run: Run, success: bool | None = None, error: str | None = None) -> dict[str, Any]:
     """Per worker and overall: steps, final loss, mean step time, drop rate, bytes, datagrams
     lost, retransmits, wall time, success. `success` None: the run's own end event, else no
@@ -295,6 +308,10 @@ def summarize(run: Run, success: bool | None = None, error: str | None = None) -
         for link in run.links
     ]
     summary["per_worker"] = workers
+    commands = command_runs(run)
+    if commands:
+        summary["workers"] = max(summary["workers"], len(commands))
+        summary["commands"] = commands
     if run.warnings:
         summary["warnings"] = list(run.warnings)
     return summary

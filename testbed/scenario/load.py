@@ -6,13 +6,24 @@ from __future__ import annotations
 import difflib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, get_args
+from typing import Annotated, Any, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ValidationError
 
 from testbed.collectives.registry import kinds
-from testbed.scenario.model import COLLECTIVES, Loc, Problems, Scenario, dotted
+from testbed.scenario.model import (
+    COLLECTIVES,
+    COMMAND_JOB,
+    TRAINING_JOB,
+    CommandJob,
+    Loc,
+    Problems,
+    Scenario,
+    _job_kind,
+    dotted,
+)
+from testbed.train.config import TrainConfig
 
 SHIPPED = Path(__file__).resolve().parents[2] / "compose" / "scenarios"
 
@@ -158,6 +169,8 @@ def _clean(loc: tuple, data: dict) -> Loc:
             continue
         if cleaned == ["collective"] and part in kinds():
             continue
+        if cleaned == ["job"] and part in (TRAINING_JOB, COMMAND_JOB):
+            continue
         cleaned.append(part)
     return tuple(cleaned)
 
@@ -204,17 +217,29 @@ def _fields_at(loc: Loc, data: Any) -> list[str]:
     return []
 
 
+def _bare(annotation: Any) -> Any:
+    """`annotation` without its `Annotated[...]` layers."""
+    while get_origin(annotation) is Annotated:
+        annotation = get_args(annotation)[0]
+    return annotation
+
+
 def _has(value: dict | list, part: str | int) -> bool:
     return part in value if isinstance(value, dict) else isinstance(part, int) and part < len(value)
 
 
 def _model_in(annotation: Any, value: Any) -> Any:
-    """The model inside `annotation` (X | None, a union of collectives picked by kind)."""
+    """The model inside `annotation` (X | None, a union of collectives picked by kind, a job
+    picked by whether it names a command)."""
+    annotation = _bare(annotation)
     if isinstance(annotation, type):
         return annotation
-    members = [a for a in get_args(annotation) if isinstance(a, type) and issubclass(a, BaseModel)]
+    members = [a for a in map(_bare, get_args(annotation))
+               if isinstance(a, type) and issubclass(a, BaseModel)]
     if len(members) > 1 and isinstance(value, dict) and value.get("kind") in COLLECTIVES:
         return COLLECTIVES[value["kind"]]
+    if CommandJob in members and isinstance(value, dict):
+        return CommandJob if _job_kind(value) == COMMAND_JOB else TrainConfig
     if len(members) == 1:
         return members[0]
     return annotation

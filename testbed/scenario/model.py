@@ -20,7 +20,9 @@ from pydantic import (
     BaseModel,
     BeforeValidator,
     ConfigDict,
+    Discriminator,
     Field,
+    Tag,
     create_model,
     field_validator,
     model_validator,
@@ -488,6 +490,42 @@ def _patch_text(patch: BaseModel) -> str:
     return " ".join(text) or "(nothing)"
 
 
+# --- a command of the user's own as the job ---------------------------------------------------
+
+
+MASTER_PORT = 29400  # torch.distributed's rendezvous on worker 0 (apart from the testbed's ports)
+
+
+class CommandJob(_Model):
+    """A program of the user's own as the job (docs/your-code.md): every worker runs it in its
+    namespace (or container) with the torch.distributed environment set (RANK, WORLD_SIZE,
+    MASTER_ADDR, MASTER_PORT, ...), so a script written for torchrun runs unmodified."""
+
+    command: list[str] = Field(min_length=1, description="The program and its arguments, run "
+                               "in `cwd`; `python` is the interpreter that runs the testbed.")
+    env: dict[str, str] = Field(default={}, description="More environment variables for it.")
+    cwd: str | None = Field(default=None, description="Where it runs, relative to the "
+                            "scenario file (default: the scenario file's directory).")
+    master_port: int = Field(default=MASTER_PORT, ge=1, le=65535, description="MASTER_PORT: "
+                             "where torch.distributed's rendezvous listens on worker 0.")
+    metrics_port: int | None = Field(default=None, ge=1, le=65535, description="A port the "
+                                     "program serves Prometheus metrics on in each worker: "
+                                     "scraped with the workers' own (TESTBED_METRICS_PORT).")
+
+
+def _job_kind(value: Any) -> str:
+    """Which job a scenario's `job` is: a command of the user's own, or a training job."""
+    is_command = isinstance(value, CommandJob) or (isinstance(value, dict) and "command" in value)
+    return COMMAND_JOB if is_command else TRAINING_JOB
+
+
+TRAINING_JOB, COMMAND_JOB = "training job", "command job"  # tags of `job`'s union
+JobSpec = Annotated[
+    Annotated[TrainConfig, Tag(TRAINING_JOB)] | Annotated[CommandJob, Tag(COMMAND_JOB)],
+    Discriminator(_job_kind),
+]
+
+
 # --- the scenario -------------------------------------------------------------------------------
 
 
@@ -501,8 +539,9 @@ class Scenario(_Model):
     workers: Annotated[Workers, BeforeValidator(_worker_count)] = Field(
         default=Workers(count=4), description="A count, or {count, overrides}.")
     topology: Topology = Field(default=Topology(), description="The links between the workers.")
-    job: TrainConfig = Field(default=TrainConfig(), description="What every worker trains "
-                             "(testbed.train.TrainConfig; seed is set at the top level).")
+    job: JobSpec = Field(default=TrainConfig(), description="What every worker runs: a "
+                         "training job (testbed.train.TrainConfig; seed is set at the top "
+                         "level) or a command of your own ({command: [...]}).")
     collective: CollectiveSpec = Field(
         default=COLLECTIVES["ring"](kind="ring"),
         description=f"kind ({', '.join(registry.kinds())}) and that collective's options.")
@@ -510,31 +549,61 @@ class Scenario(_Model):
                                   "the order they happen.")
     metrics: Metrics = Metrics()
 
+    @property
+    def command(self) -> CommandJob | None:
+        """The user's command, if the job is one (else a training job)."""
+        return self.job if isinstance(self.job, CommandJob) else None
+
     @model_validator(mode="after")
     def _consistent(self) -> Scenario:
         problems = [*self._check_workers(), *self._check_topology(), *self._check_timeline()]
-        capabilities = self.collective.capabilities
-        if self.job.strategy == "sharded" and not capabilities.sharded_step:
-            owners = registry.with_capability("sharded_step")
-            problems.append((("job", "strategy"), f"sharded needs a collective that owns the "
-                             f"update (step()): {', '.join(owners)}; got {self.collective.kind}"))
-        compressor = self.collective.compressor.kind
-        if compressor != "none" and self.job.strategy == "sharded":
-            problems.append((("collective", "compressor", "kind"), f"{compressor} compresses "
-                             "all-reduce calls; strategy sharded uses the collective's step(): "
-                             "use strategy gradient or average, or kind none"))
-        if (registry.compressor_kind(compressor).exchange_needed(capabilities)
-                and not capabilities.reliable_exchange):
-            offered = ", ".join(registry.with_capability("reliable_exchange"))
-            problems.append((("collective", "compressor", "kind"), f"{compressor} needs a "
-                             f"collective with a reliable neighbour exchange ({offered}); over "
-                             f"{self.collective.kind} use randk, powersgd or none"))
-        problems.extend(self._check_rejoin())
-        if "seed" in self.job.model_fields_set:
-            problems.append((("job", "seed"), "set seed at the top level of the scenario"))
+        if self.command is not None:
+            problems.extend(self._check_command())
+        else:
+            problems.extend(self._check_training())
+            problems.extend(self._check_rejoin())
         if problems:
             raise Problems(problems)
         return self
+
+    def _check_command(self) -> Iterator[tuple[Loc, str]]:
+        """A command has no steps: the timeline runs on time, a burst pauses the program for
+        its duration, and nothing slows single workers but bursts."""
+        for i, event in enumerate(self.timeline):
+            if event.step is not None:
+                yield ("timeline", i, "step"), ("a command job has no steps: give the event a "
+                                                "time (at: 30s)")
+            burst = event.straggler_burst
+            if burst is not None and burst.duration is None:
+                yield (("timeline", i, "straggler_burst", "steps"),
+                       "a command job has no steps: give the burst a duration (the program "
+                       "is paused for it)")
+        for j, override in enumerate(self.workers.overrides):
+            for name in ("straggler", "slowdown"):
+                if name in override.model_fields_set:
+                    yield (("workers", "overrides", j, name),
+                           f"{name} slows a training job's steps; a command job has none "
+                           "(pause it with a timeline straggler_burst)")
+
+    def _check_training(self) -> Iterator[tuple[Loc, str]]:
+        capabilities = self.collective.capabilities
+        if self.job.strategy == "sharded" and not capabilities.sharded_step:
+            owners = registry.with_capability("sharded_step")
+            yield (("job", "strategy"), f"sharded needs a collective that owns the update "
+                   f"(step()): {', '.join(owners)}; got {self.collective.kind}")
+        compressor = self.collective.compressor.kind
+        if compressor != "none" and self.job.strategy == "sharded":
+            yield (("collective", "compressor", "kind"), f"{compressor} compresses all-reduce "
+                   "calls; strategy sharded uses the collective's step(): use strategy gradient "
+                   "or average, or kind none")
+        if (registry.compressor_kind(compressor).exchange_needed(capabilities)
+                and not capabilities.reliable_exchange):
+            offered = ", ".join(registry.with_capability("reliable_exchange"))
+            yield (("collective", "compressor", "kind"), f"{compressor} needs a collective with a "
+                   f"reliable neighbour exchange ({offered}); over {self.collective.kind} use "
+                   "randk, powersgd or none")
+        if "seed" in self.job.model_fields_set:
+            yield ("job", "seed"), "set seed at the top level of the scenario"
 
     # -- checks across sections
 
@@ -624,7 +693,7 @@ class Scenario(_Model):
         for i, event in enumerate(self.timeline):
             loc: Loc = ("timeline", i)
             value = getattr(event, event.action)
-            if event.step is not None and event.step >= self.job.steps:
+            if event.step is not None and self.command is None and event.step >= self.job.steps:
                 yield (*loc, "step"), (f"step {event.step} is never reached: the job has steps "
                                        f"0..{self.job.steps - 1}")
             if isinstance(value, SetLink | RampLink):
@@ -689,6 +758,8 @@ class Scenario(_Model):
 
     def train_config(self, worker: int) -> TrainConfig:
         """Worker's `TrainConfig`: the job with the scenario's seed and the worker's straggler."""
+        if self.command is not None:
+            raise ValueError("job: a command job has no training configuration")
         spec = self.job.model_dump(exclude_unset=True, by_alias=True)
         spec.update(seed=self.seed, straggler=self.straggler(worker))
         return TrainConfig.model_validate(spec)
@@ -708,6 +779,9 @@ class Scenario(_Model):
         step move proportionally (same share of the run), events at a time stay."""
         if steps < 1:
             raise ValueError(f"steps: expected 1 or more, got {steps}")
+        if self.command is not None:
+            raise ValueError("steps: a command job has no steps to shorten (give the program "
+                             "its own option in job.command)")
         data = self.model_dump(exclude_unset=True, by_alias=True)
         scale = steps / self.job.steps
         data.setdefault("job", {})["steps"] = steps
@@ -727,10 +801,12 @@ class Scenario(_Model):
         actions = sorted({event.action for event in self.timeline})
         compressor = self.collective.compressor.kind
         compression = "" if compressor == "none" else f"+{compressor}"
+        job = (f"command {' '.join(self.command.command)}" if self.command is not None else
+               f"job {self.job.model} x {self.job.steps} steps; "
+               f"collective {self.collective.kind}{compression}")
         return (
             f"{self.name}: {self.count} workers; {'; '.join(network)}; "
-            f"{self.topology.congestion}; job {self.job.model} x {self.job.steps} steps; "
-            f"collective {self.collective.kind}{compression}; "
+            f"{self.topology.congestion}; {job}; "
             f"{len(self.timeline)} event(s){' (' + ', '.join(actions) + ')' if actions else ''}"
         )
 
