@@ -691,12 +691,15 @@ def node(
     steps: Annotated[int | None, typer.Option(help="Shorten the job to this many steps.")] = None,
     iface: Annotated[str, typer.Option(help="The interface whose ingress carries the links "
                                        "into this worker.")] = "eth0",
+    base_dir: Annotated[Path | None, typer.Option(help="What the scenario's paths are relative "
+                                                  "to (a command job's files, mounted).")] = None,
 ) -> None:
     """One worker of a Compose run, in its container: shapes its incoming links, runs the fault
     timeline's part that is its own, trains (docs/compose.md)."""
     from testbed.cluster.node import run_node
 
-    raise typer.Exit(run_node(scenario, rank, hosts.split(","), runs, steps=steps, iface=iface))
+    raise typer.Exit(run_node(scenario, rank, hosts.split(","), runs, steps=steps, iface=iface,
+                              base_dir=base_dir))
 
 
 FORCE_TERMINAL = "TESTBED_FORCE_TERMINAL"  # set for a guest whose output a terminal shows

@@ -58,8 +58,10 @@ def check_scenario(scenario: Scenario) -> None:
 
 
 def compose_project(scenario: Scenario, *, steps: int | None = None, subnet: str = SUBNET,
-                    root: Path = ROOT) -> dict[str, Any]:
-    """The Compose project (as a dict) for `scenario`, whose copy sits beside the file."""
+                    root: Path = ROOT, job_files: str | None = None) -> dict[str, Any]:
+    """The Compose project (as a dict) for `scenario`, whose copy sits beside the file;
+    `job_files`: a command job's directory (the scenario file's), relative to the project's,
+    mounted read-only at /job in every worker."""
     check_scenario(scenario)
     hosts = worker_addresses(scenario.count, subnet)
     restarted = {rank for rank, events in preempting(scenario).items()
@@ -74,6 +76,8 @@ def compose_project(scenario: Scenario, *, steps: int | None = None, subnet: str
                    "--hosts", ",".join(hosts)]
         if steps is not None:
             command += ["--steps", str(steps)]
+        if job_files is not None:
+            command += ["--base-dir", "/job"]
         services[f"worker-{rank}"] = {
             "image": WORKER_IMAGE,
             "build": copy.deepcopy(build),  # a copy each: no YAML anchors in the file
@@ -82,7 +86,8 @@ def compose_project(scenario: Scenario, *, steps: int | None = None, subnet: str
             "init": True,
             "restart": "on-failure" if rank in restarted else "no",
             "stop_grace_period": "5s",
-            "volumes": [f"./{SCENARIO_COPY}:/scenario/{SCENARIO_COPY}:ro", "./runs:/runs"],
+            "volumes": [f"./{SCENARIO_COPY}:/scenario/{SCENARIO_COPY}:ro", "./runs:/runs",
+                        *([f"{job_files}:/job:ro"] if job_files is not None else [])],
             "networks": {"testbed": {"ipv4_address": hosts[rank]}},
             "labels": {"testbed.scenario": scenario.name, "testbed.rank": str(rank)},
         }
@@ -118,14 +123,18 @@ def compose_project(scenario: Scenario, *, steps: int | None = None, subnet: str
 def prometheus_config(scenario: Scenario, subnet: str = SUBNET) -> dict[str, Any]:
     """Scrape every worker with the labels the dashboards filter on (scenario, run, worker)."""
     hosts = worker_addresses(scenario.count, subnet)
+    ports = {"testbed": PORTS["metrics"]}
+    if scenario.command is not None and scenario.command.metrics_port is not None:
+        ports["program"] = scenario.command.metrics_port  # a command job's own metrics
     return {
         "global": {"scrape_interval": SCRAPE_INTERVAL, "evaluation_interval": SCRAPE_INTERVAL},
         "scrape_configs": [{
             "job_name": "testbed",
             "static_configs": [
-                {"targets": [f"{host}:{PORTS['metrics']}"],
-                 "labels": {"scenario": scenario.name, "run": "compose", "worker": str(rank)}}
-                for rank, host in enumerate(hosts)
+                {"targets": [f"{host}:{port}"],
+                 "labels": {"scenario": scenario.name, "run": "compose", "worker": str(rank),
+                            "source": source}}
+                for source, port in ports.items() for rank, host in enumerate(hosts)
             ],
         }],
     }
@@ -142,7 +151,11 @@ def write_project(scenario_path: Path, out: Path, *, steps: int | None = None,
         shutil.copyfile(scenario_path, out / SCENARIO_COPY)
     (out / PROMETHEUS_CONFIG).write_text(_dump(prometheus_config(scenario, subnet)))
     path = out / FILE
-    path.write_text(_dump(compose_project(scenario, steps=steps, subnet=subnet)))
+    job_files = None
+    if scenario.command is not None:  # the user's files, where the scenario file is
+        job_files = os.path.relpath(scenario_path.resolve().parent, out.resolve())
+    path.write_text(_dump(compose_project(scenario, steps=steps, subnet=subnet,
+                                          job_files=job_files)))
     return path
 
 
@@ -154,7 +167,9 @@ def check_compose(directory: Path) -> list[str]:
     steps = int(first[first.index("--steps") + 1]) if "--steps" in first else None
     subnet = project["networks"]["testbed"]["ipam"]["config"][0]["subnet"]
     scenario = load_scenario(directory / SCENARIO_COPY, steps=steps)
-    wanted = {FILE: compose_project(scenario, steps=steps, subnet=subnet),
+    volumes = project["services"]["worker-0"]["volumes"]
+    job_files = next((v.rsplit(":", 2)[0] for v in volumes if ":/job:" in v), None)
+    wanted = {FILE: compose_project(scenario, steps=steps, subnet=subnet, job_files=job_files),
               PROMETHEUS_CONFIG: prometheus_config(scenario, subnet)}
     return [name for name, data in wanted.items()
             if yaml.safe_load((directory / name).read_text()) != data]

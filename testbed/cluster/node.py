@@ -101,10 +101,12 @@ class Node:
     """Worker `rank` of a Compose run: see the module's docstring."""
 
     def __init__(self, scenario_path: Path, rank: int, hosts: list[str], runs: Path, *,
-                 iface: str = "eth0", steps: int | None = None, backend: str = "auto") -> None:
+                 iface: str = "eth0", steps: int | None = None, backend: str = "auto",
+                 base_dir: Path | None = None) -> None:
         from testbed.scenario import load_scenario
 
         self.scenario_path, self.rank, self.hosts, self.runs = scenario_path, rank, hosts, runs
+        self.base_dir = base_dir
         self.scenario = load_scenario(scenario_path, steps=steps)
         self.steps = steps
         if len(hosts) != self.scenario.count:
@@ -131,6 +133,7 @@ class Node:
             spec = WorkerSpec(scenario=str(self.scenario_path), rank=self.rank,
                               world=self.scenario.count, hosts=self.hosts, run_dir=str(run_dir),
                               run_id=int(self._client.get(ID_KEY)), steps=self.steps,
+                              base_dir=None if self.base_dir is None else str(self.base_dir),
                               rejoin=rejoin)
             if rejoin:
                 self._wait_for_restart()
@@ -238,14 +241,15 @@ class Node:
 
 
 def run_node(scenario: Path, rank: int, hosts: list[str], runs: Path, *, steps: int | None = None,
-             iface: str = "eth0") -> int:
+             iface: str = "eth0", base_dir: Path | None = None) -> int:
     """`testbed node`: run worker `rank` of a Compose run; returns the exit code (0 done, 1 the
     training failed, 2 bad input or links it cannot shape here, 143 SIGTERM)."""
     from testbed.scenario import ScenarioError
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
-        return Node(scenario, rank, hosts, runs, iface=iface, steps=steps).run()
+        return Node(scenario, rank, hosts, runs, iface=iface, steps=steps,
+                    base_dir=base_dir).run()
     except (netem.UnsupportedByKernel, netem.ShapingError) as error:
         print(f"worker {rank}: cannot shape its links here: {error}", file=sys.stderr)
     except (ScenarioError, ValueError) as error:

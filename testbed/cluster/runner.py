@@ -116,6 +116,7 @@ class ClusterRun:
         self._reports: queue.Queue[tuple[int, dict[str, Any]]] = queue.Queue()
         self._lock = threading.Lock()
         self.metrics_urls: list[str] = []  # each worker's /metrics, as seen from the host
+        self.program_metrics_urls: list[str] = []  # a command job's own, where it names a port
         self._deadline: float | None = None
         self._timeout: float | None = None
         self._interrupted = threading.Event()
@@ -198,17 +199,27 @@ class ClusterRun:
     def _relay(self, network: ClusterNetwork,
                writer: RunWriter) -> contextlib.AbstractContextManager[Any]:
         """Every worker's /metrics on the host's loopback (`metrics_urls`), and a Prometheus
-        file_sd document of them in the run directory; none when the workers pick their port."""
+        file_sd document of them in the run directory; none when the workers pick their port.
+        A command job's own metrics port is relayed too (`program_metrics_urls`), its targets
+        labelled `source: program`."""
         port = self.scenario.metrics.port
         if not port:
             return contextlib.nullcontext()
-        relay = MetricsRelay([network.namespace(r) for r in range(self.scenario.count)],
-                             network.hosts, port)
+        stack = contextlib.ExitStack()
+        namespaces = [network.namespace(r) for r in range(self.scenario.count)]
+        labels = {"scenario": self.scenario.name, "run": self.run_dir.name}
+        relay = stack.enter_context(MetricsRelay(namespaces, network.hosts, port))
         self.metrics_urls = relay.urls()
-        targets = relay.targets({"scenario": self.scenario.name, "run": self.run_dir.name})
+        targets = relay.targets({**labels, "source": "testbed"})
+        own = self.scenario.command.metrics_port if self.scenario.command else None
+        if own is not None:
+            program = stack.enter_context(MetricsRelay(namespaces, network.hosts, own))
+            self.program_metrics_urls = program.urls()
+            targets += program.targets({**labels, "source": "program"})
         (self.run_dir / PROMETHEUS_TARGETS).write_text(json.dumps(targets, indent=2) + "\n")
-        writer.event("metrics", urls=self.metrics_urls, targets=PROMETHEUS_TARGETS)
-        return relay
+        writer.event("metrics", urls=self.metrics_urls, program_urls=self.program_metrics_urls,
+                     targets=PROMETHEUS_TARGETS)
+        return stack
 
     # -- workers ---------------------------------------------------------------------------
 

@@ -205,16 +205,23 @@ def _last_by_rank(values: np.ndarray, index: np.ndarray, count: int) -> np.ndarr
 
 
 def command_runs(run: Run) -> list[dict[str, Any]]:
-    """A command job's workers: how often each ran its command (a restart runs it again), the
-    last exit code, its seconds and the seconds of every run."""
+    """A command job's workers: how often each started its command (a restart runs it again;
+    a killed run writes no exit), the last exit code and its seconds, and the seconds of every
+    run that exited."""
+    started: dict[int, int] = {}
     exits: dict[int, list[dict[str, Any]]] = {}
     for event in run.other:
-        if event.get("type") == "command" and event.get("phase") == "exit":
-            exits.setdefault(int(event["rank"]), []).append(event)
-    return [{"rank": rank, "runs": len(ended), "exit_code": ended[-1].get("code"),
-             "seconds": ended[-1].get("seconds"),
-             "total_seconds": sum(e.get("seconds") or 0.0 for e in ended)}
-            for rank, ended in sorted(exits.items())]
+        if event.get("type") == "command":
+            rank = int(event["rank"])
+            if event.get("phase") == "start":
+                started[rank] = started.get(rank, 0) + 1
+            elif event.get("phase") == "exit":
+                exits.setdefault(rank, []).append(event)
+    return [{"rank": rank, "runs": count,
+             "exit_code": exits[rank][-1].get("code") if rank in exits else None,
+             "seconds": exits[rank][-1].get("seconds") if rank in exits else None,
+             "total_seconds": sum(e.get("seconds") or 0.0 for e in exits.get(rank, []))}
+            for rank, count in sorted(started.items())]
 
 
 def summarize(run: Run, success: bool | None = None, error: str | None = None) -> dict[str, Any]:
