@@ -187,12 +187,10 @@ def allreduce_part(kinds: list[str], sizes: list[int], calls: int,
 
     import torch
 
-    sys.path.insert(0, str(REPO / "tests"))
-    from lab_collectives import close_all, on_hosts, rings, shape_every_link
-
     from netem import LinkProfile
     from netem.lab import Lab
     from testbed.collectives.compression import wrap
+    from testbed.collectives.lab import close_all, on_hosts, rings, shape_every_link
 
     generator = torch.Generator().manual_seed(SEED)
     outcomes = []
