@@ -7,7 +7,7 @@ the switch-side ports), plus one unshaped set compared against gloo. Every worke
 process in its own namespace; the parent starts them together for each call (a line on their
 stdin), so no call pays for another's start. Writes benchmarks/results/collectives.md.
 
-    .venv/bin/python benchmarks/collectives.py [--quick] [--out PATH]
+    .venv/bin/python -m benchmarks.collectives [--quick] [--out PATH]
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import datetime
 import json
 import math
 import os
-import platform
 import queue
 import resource
 import signal
@@ -32,9 +31,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from benchmarks import machine
 
+REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "collectives.md"
 WORLD = 4
 SIZES = {"1M": 1_000_000, "10M": 10_000_000, "100M": 100_000_000}
@@ -304,8 +303,8 @@ def run_cell(lab, cell: Cell, port: int, logs: Path) -> Outcome:
                     "warmups": cell.warmups}
             error = (logs / f"{cell.kind}-{cell.numel}-{rank}.err").open("w")
             errors.append(error)
-            process = lab.popen(lab.hosts[rank], [sys.executable, __file__, "worker",
-                                                  json.dumps(spec)],
+            process = lab.popen(lab.hosts[rank], [sys.executable, "-m", "benchmarks.collectives",
+                                                  "worker", json.dumps(spec)],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=error,
                                 cwd=REPO, start_new_session=True,
                                 # gloo binds where the host name resolves (loopback) otherwise
@@ -713,18 +712,13 @@ def observations(outcomes: list[Outcome]) -> list[str]:
 
 def report(outcomes: list[Outcome], command: str, started: datetime.datetime,
            elapsed: float, note: str = "") -> str:
-    cpu = next((line.split(":", 1)[1].strip()
-                for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.machine())
     allowed = Path("/proc/sys/net/ipv4/tcp_allowed_congestion_control").read_text().strip()
     verdicts = targets(outcomes)
     return "\n".join([
         "# Collectives: all-reduce among four workers on shaped links",
         "",
         *([f"**{note}**", ""] if note else []),
-        f"Written by `{command}`, started {started:%Y-%m-%d %H:%M} UTC, took "
-        f"{elapsed / 60:.1f} min. Machine: {cpu}, `nproc` {os.cpu_count()}, Linux "
-        f"{platform.release()}, Python {platform.python_version()}.",
+        machine.written_by(command, started, elapsed),
         "",
         "How: a lab of four namespaces on a bridge (MTU 1500, offloads off); every host's "
         "downlink (the switch port towards it) shaped with `netem.apply(..., "
@@ -783,7 +777,8 @@ def progress(outcome: Outcome, count: str, elapsed: float) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.collectives",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true",
                         help="1M and 10M, 100 Mbit/s at 0%% and 10%% loss, and unshaped")
     parser.add_argument("--out", type=Path, default=RESULTS)
@@ -818,7 +813,7 @@ def main() -> None:
         raise KeyboardInterrupt  # unwinds through every cleanup below, as Ctrl-C does
 
     signal.signal(signal.SIGTERM, interrupted)
-    command = " ".join([".venv/bin/python", "benchmarks/collectives.py", *sys.argv[1:]])
+    command = machine.command("benchmarks.collectives")
     started_at = datetime.datetime.now(datetime.UTC)
     started = time.monotonic()
     groups = plan(args.quick, kinds, sizes, rates, losses)

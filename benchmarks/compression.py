@@ -24,7 +24,7 @@ optimizer, and the values each sends, at the same rank.
 
 Writes benchmarks/results/compression.md.
 
-    .venv/bin/python benchmarks/compression.py [--quick] [--steps N] [--models cnn,char-lm]
+    .venv/bin/python -m benchmarks.compression [--quick] [--steps N] [--models cnn,char-lm]
         [--kinds none,topk,...] [--density D] [--timeout S] [--sizes N,N] [--seeds N]
         [--no-allreduce] [--no-limits] [--no-peer] [--out PATH]
 """
@@ -34,20 +34,16 @@ from __future__ import annotations
 import argparse
 import datetime
 import math
-import os
-import platform
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from benchmarks import machine
+from benchmarks.scenario_runs import fmt, run_scenario
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from scenario_runs import fmt, run_scenario  # noqa: E402  (beside this script)
-
 RESULTS = REPO / "benchmarks" / "results" / "compression.md"
 WORLD = 4
 SEED = 7
@@ -187,12 +183,10 @@ def allreduce_part(kinds: list[str], sizes: list[int], calls: int,
 
     import torch
 
-    sys.path.insert(0, str(REPO / "tests"))
-    from lab_collectives import close_all, on_hosts, rings, shape_every_link
-
     from netem import LinkProfile
     from netem.lab import Lab
     from testbed.collectives.compression import wrap
+    from testbed.collectives.lab import close_all, on_hosts, rings, shape_every_link
 
     generator = torch.Generator().manual_seed(SEED)
     outcomes = []
@@ -673,9 +667,6 @@ def report(outcomes: list[Outcome], calls: list[CallOutcome], limits: list[Limit
            peer: dict[str, dict[str, float]], command: str, started: datetime.datetime,
            elapsed: float, steps: dict[str, int], density: float, seeds: dict[str, int],
            note: str) -> str:
-    cpu = next((line.split(":", 1)[1].strip()
-                for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.machine())
     peer_lines = ["| model | parameters | rank | torch hook: relative error | ours, per "
                   "weight: relative error | ours, flat: relative error | torch hook: values "
                   "sent | ours, per weight: values sent | ours, flat: values sent |",
@@ -693,9 +684,7 @@ def report(outcomes: list[Outcome], calls: list[CallOutcome], limits: list[Limit
         "# Compressed collectives: ARC-Top-K, Top-K, Rand-K, PowerSGD, INT8, INT4",
         "",
         *([f"**{note}**", ""] if note else []),
-        f"Written by `{command}`, started {started:%Y-%m-%d %H:%M} UTC, took "
-        f"{elapsed / 60:.1f} min. Machine: {cpu}, `nproc` {os.cpu_count()}, Linux "
-        f"{platform.release()}, Python {platform.python_version()}.",
+        machine.written_by(command, started, elapsed),
         "",
         "## Part 0: the all-reduce alone",
         "",
@@ -785,7 +774,8 @@ def report(outcomes: list[Outcome], calls: list[CallOutcome], limits: list[Limit
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.compression",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--steps", type=int)
     parser.add_argument("--models", default=",".join(MODELS))
@@ -814,7 +804,7 @@ def main() -> None:
     timeout = args.timeout or (QUICK_TIMEOUT if args.quick else TIMEOUT)
     sizes = [int(n) for n in args.sizes.split(",")] if args.sizes else list(ALLREDUCE_SIZES)
     seeds = dict.fromkeys(MODELS, args.seeds) if args.seeds else dict(LIMIT_SEEDS)
-    command = "python benchmarks/compression.py " + " ".join(sys.argv[1:])
+    command = machine.command("benchmarks.compression")
     note = ("Reduced run (--quick or a subset): fewer steps, a higher density or fewer cells "
             "than the full benchmark; read the figures as such." if args.quick or args.steps
             or args.models != ",".join(MODELS) or args.kinds != ",".join(KINDS) else "")

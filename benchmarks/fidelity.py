@@ -4,7 +4,7 @@ Full netem runs where the kernel has sch_netem: here, inside a User-Mode Linux g
 (netem.sandbox), because the host kernel has none. The fallback (nftables loss, htb rate) runs
 on the host. Writes benchmarks/results/fidelity.md.
 
-    .venv/bin/python benchmarks/fidelity.py [--output PATH]
+    .venv/bin/python -m benchmarks.fidelity [--output PATH]
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import dataclasses
 import datetime
 import json
 import math
-import os
 import platform
 import sys
 import tempfile
@@ -23,15 +22,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from benchmarks import machine
+from netem import apply
+from netem.capabilities import netem_available
+from netem.lab import Lab
+from netem.probe import Check, compare, offered_load, probe
+from netem.profile import LinkProfile
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from netem import apply  # noqa: E402
-from netem.capabilities import netem_available  # noqa: E402
-from netem.lab import Lab  # noqa: E402
-from netem.probe import Check, compare, offered_load, probe  # noqa: E402
-from netem.profile import LinkProfile  # noqa: E402
-
 RESULTS = REPO / "benchmarks" / "results" / "fidelity.md"
 HEADLINE = {  # profile field -> the checks that measure it
     "loss": ("loss", "loss burst mean"),
@@ -136,7 +134,7 @@ def netem_outcomes() -> tuple[list[Outcome], str]:
     with tempfile.TemporaryDirectory(prefix="tb-fidelity-") as tmp:
         out = Path(tmp) / "netem.json"
         result = sandbox.run(
-            [sys.executable, __file__, "--guest-json", str(out)],
+            [sys.executable, "-m", "benchmarks.fidelity", "--guest-json", str(out)],
             cwd=REPO,
             stream=False,
             kernel=kernel,
@@ -158,7 +156,8 @@ def row(case: str, backend: str, check: Check, probes: int) -> str:
     )
 
 
-def report(outcomes: list[Outcome], guest: str) -> str:
+def report(outcomes: list[Outcome], guest: str, command: str, started: datetime.datetime,
+           elapsed: float) -> str:
     specs = {c.name: c for c in NETEM_CASES} | {f"fb:{c.name}": c for c in FALLBACK_CASES}
     lines = []
     others = passed_others = 0
@@ -172,15 +171,6 @@ def report(outcomes: list[Outcome], guest: str) -> str:
             elif check.passed is not None:
                 others += 1
                 passed_others += bool(check.passed)
-    host = platform.release()
-    cpu = next(
-        (
-            line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("model name")
-        ),
-        platform.machine(),
-    )
     kernels = sorted({(o.backend, o.kernel) for o in outcomes})
     total = sum(1 for line in lines if "| pass |" in line or "FAIL" in line)
     failed = sum(1 for line in lines if "FAIL" in line)
@@ -188,10 +178,7 @@ def report(outcomes: list[Outcome], guest: str) -> str:
         [
             "# Fidelity: configured against measured",
             "",
-            "Written by `benchmarks/fidelity.py` "
-            f"on {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC. "
-            f"Host: {cpu}, {os.cpu_count()} cores, Linux {host}, "
-            f"Python {platform.python_version()}.",
+            machine.written_by(command, started, elapsed),
             "Kernels: "
             + "; ".join(f"{backend}: Linux {kernel}" for backend, kernel in kernels)
             + f". netem ran in: {guest}.",
@@ -222,7 +209,8 @@ def report(outcomes: list[Outcome], guest: str) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.fidelity",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--output", type=Path, default=RESULTS)
     parser.add_argument("--guest-json", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -230,10 +218,14 @@ def main() -> None:
         outcomes = run_cases(NETEM_CASES, "netem-in-UML")
         args.guest_json.write_text(json.dumps([dataclasses.asdict(o) for o in outcomes]))
         return
+    command = machine.command("benchmarks.fidelity")
+    started_at = datetime.datetime.now(datetime.UTC)
+    started = time.monotonic()
     outcomes, guest = netem_outcomes()
     outcomes += run_cases(FALLBACK_CASES, "fallback-host")
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(report(outcomes, guest))
+    args.output.write_text(report(outcomes, guest, command, started_at,
+                                  time.monotonic() - started))
     print(f"wrote {args.output}", file=sys.stderr)
 
 

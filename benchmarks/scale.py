@@ -8,15 +8,13 @@ launch until every worker reported its first step, until the end, and each worke
 (VmHWM from /proc). Links are loss-only (the host kernel has no sch_netem: the fallback shapes
 them). Writes benchmarks/results/scale.md.
 
-    .venv/bin/python benchmarks/scale.py [--workers 4,16,32] [--train 4,16] [--steps 20]
+    .venv/bin/python -m benchmarks.scale [--workers 4,16,32] [--train 4,16] [--steps 20]
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -28,14 +26,13 @@ from typing import Any
 
 import yaml
 
+from benchmarks import machine
+from netem.profile import LinkProfile
+from testbed.cluster.network import ClusterNetwork
+from testbed.cluster.runner import ClusterRun, WorkerState
+from testbed.scenario import Scenario
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from netem.profile import LinkProfile  # noqa: E402
-from testbed.cluster.network import ClusterNetwork  # noqa: E402
-from testbed.cluster.runner import ClusterRun, WorkerState  # noqa: E402
-from testbed.scenario import Scenario  # noqa: E402
-
 RESULTS = REPO / "benchmarks" / "results" / "scale.md"
 DEFAULT = {"loss": "1%"}  # every link: loss only, so the host's fallback can shape it
 CHANGE_REPEATS = 3  # set_links calls per measurement; the median is reported
@@ -234,18 +231,12 @@ def _s(value: float | None) -> str:
 
 
 def report(network: list[NetworkFigures], training: list[TrainFigures], command: str,
-           took: float) -> str:
-    cpu = next((line.split(":", 1)[1].strip()
-                for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.machine())
+           started: datetime.datetime, took: float) -> str:
     backend = ClusterNetwork(Scenario.model_validate(scenario(2, announced=False))).backend
     lines = [
         "# Scale: the cluster's network and workers at 4, 16 and 32 workers",
         "",
-        f"Written by `{command}` on {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, "
-        f"took {took / 60:.1f} min. Machine: {cpu}, `nproc` {os.cpu_count()}, "
-        f"Linux {platform.release()}, Python {platform.python_version()}; shaping backend: "
-        f"{backend}.",
+        f"{machine.written_by(command, started, took)} Shaping backend: {backend}.",
         "",
         "### The network (`ClusterNetwork`, every link `loss: 1%`)",
         "",
@@ -338,7 +329,8 @@ def _counts(text: str) -> list[int]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.scale",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=_counts, default=[4, 16, 32],
                         help="worker counts for the network (default 4,16,32)")
     parser.add_argument("--train", type=_counts, default=[4, 16],
@@ -350,6 +342,8 @@ def main() -> None:
                         "(it rebuilds every receiver: slow at 32)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
+    command = machine.command("benchmarks.scale")
+    started = datetime.datetime.now(datetime.UTC)
     begun = time.monotonic()
     network = []
     for workers in args.workers:
@@ -362,9 +356,8 @@ def main() -> None:
             figures = measure_training(workers, args.steps, args.collective, Path(tmp))
             print(figures, file=sys.stderr, flush=True)
             training.append(figures)
-    command = " ".join([".venv/bin/python", "benchmarks/scale.py", *sys.argv[1:]])
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(report(network, training, command, time.monotonic() - begun))
+    args.out.write_text(report(network, training, command, started, time.monotonic() - begun))
     print(f"wrote {args.out}", file=sys.stderr)
 
 

@@ -13,7 +13,7 @@ step time, drop rate, final loss. Every cell is a `ClusterRun` of a scenario wri
 namespaces; loss by the host's fallback shaping, nftables random drop), with a timeout.
 Writes benchmarks/results/training.md after every cell.
 
-    .venv/bin/python benchmarks/training.py [--quick] [--steps N] [--kinds K,..]
+    .venv/bin/python -m benchmarks.training [--quick] [--steps N] [--kinds K,..]
         [--losses 0,10,..] [--seeds 11,12,..] [--timeout S] [--out PATH]
 """
 
@@ -24,7 +24,6 @@ import datetime
 import itertools
 import math
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -34,11 +33,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from benchmarks import machine
+from benchmarks.scenario_runs import fmt, run_scenario
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from scenario_runs import fmt, run_scenario  # noqa: E402  (beside this script)
-
 RESULTS = REPO / "benchmarks" / "results" / "training.md"
 WORLD = 4
 SEEDS = (11, 12, 13, 14, 15, 16)  # lossy's cells and EXACT's lossless one run once per seed;
@@ -290,16 +288,11 @@ def observations(outcomes: list[Outcome]) -> list[str]:
 
 def report(outcomes: list[Outcome], command: str, started: datetime.datetime, elapsed: float,
            steps: int, median: str, seeds: list[int], note: str = "") -> str:
-    cpu = next((line.split(":", 1)[1].strip()
-                for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.machine())
     return "\n".join([
         "# Training under packet loss: lossy against gloo; DropCompute against synchronous",
         "",
         *([f"**{note}**", ""] if note else []),
-        f"Written by `{command}`, started {started:%Y-%m-%d %H:%M} UTC, took "
-        f"{elapsed / 60:.1f} min. Machine: {cpu}, `nproc` {os.cpu_count()}, Linux "
-        f"{platform.release()}, Python {platform.python_version()}.",
+        machine.written_by(command, started, elapsed),
         "",
         f"How: every cell is one `ClusterRun` (backend auto) of a scenario written by the "
         f"benchmark: {WORLD} workers, each a process in its own network namespace, links "
@@ -382,7 +375,8 @@ def plan(kinds: list[str], losses: list[float], median: str,
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.training",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true",
                         help=f"{QUICK_STEPS} steps per cell, {QUICK_TIMEOUT:.0f} s timeout")
     parser.add_argument("--steps", type=int, help=f"steps per cell (default {STEPS})")
@@ -410,7 +404,7 @@ def main() -> None:
         raise SystemExit("needs root: network namespaces and shaping")
     steps = args.steps or (QUICK_STEPS if args.quick else STEPS)
     timeout = args.timeout or (QUICK_TIMEOUT if args.quick else TIMEOUT)
-    command = " ".join([".venv/bin/python", "benchmarks/training.py", *sys.argv[1:]])
+    command = machine.command("benchmarks.training")
     started_at = datetime.datetime.now(datetime.UTC)
     started = time.monotonic()
     try:

@@ -3,7 +3,9 @@
 `create(kind, rank, world, **options)` builds any of them by name (as a scenario names them,
 `registry.py` declares them); each keeps the contract in `base.py`, and `hook.comm_hook` lends
 any of them to a user's DDP model. `compress(collective, compressor, **parameters)` lays one
-over any of them (`compression/`, docs/compression.md), keeping the same contract.
+over any of them (`compression/`, docs/compression.md), keeping the same contract. `lab` puts
+a ring, lossy or Moshpit worker on every host of a `netem.lab.Lab` and runs calls in each
+host's namespace at once (import it by name: it loads torch).
 
 Importing this package loads no torch: an implementation is imported when it is created.
 """

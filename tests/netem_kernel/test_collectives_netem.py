@@ -19,7 +19,12 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 import torch
-from lab_collectives import (
+
+from netem import LinkProfile
+from netem.lab import Lab
+from netem.namespace import inside
+from testbed.collectives.gloo import Gloo
+from testbed.collectives.lab import (
     addresses,
     close_all,
     lossy_workers,
@@ -28,11 +33,6 @@ from lab_collectives import (
     rings,
     shape_every_link,
 )
-
-from netem import LinkProfile
-from netem.lab import Lab
-from netem.namespace import inside
-from testbed.collectives.gloo import Gloo
 
 pytestmark = pytest.mark.netem_kernel
 

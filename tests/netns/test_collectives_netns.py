@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from concurrently import concurrently
-from lab_collectives import lossy_workers, rings, shape_every_link
 
 from netem import LinkProfile
+from testbed.collectives.lab import lossy_workers, rings, run_concurrently, shape_every_link
 from testbed.collectives.lossy import Lossy, LossyStats
 
 pytestmark = pytest.mark.netns
@@ -36,7 +35,7 @@ def test_ring_is_exact_across_lossy_links_and_counts_retransmits(make_lab):
                   for r in range(WORLD)]
         expected = torch.stack(inputs).mean(0)
         for step in range(2):
-            results = concurrently(*(
+            results = run_concurrently(*(
                 lambda r=r, s=step: workers[r].allreduce(inputs[r], s) for r in range(WORLD)
             ))
             for result, _ in results:
@@ -58,7 +57,7 @@ def test_lossy_all_reduce_estimates_the_mean_from_the_chunks_that_came(make_lab)
         expected = torch.stack(inputs).mean(0)
         everything: list[LossyStats] = []
         for step in range(10):  # past the 8 calls a deadline is learned from
-            results = concurrently(*(
+            results = run_concurrently(*(
                 lambda r=r, s=step: group[r].allreduce(inputs[r], s) for r in range(world)
             ))
             for rank, (result, stats) in enumerate(results):
@@ -105,7 +104,7 @@ def test_sharded_sgd_under_loss_converges_and_copies_stay_recent_owner_values(ma
         history = [torch.zeros(numel)]  # the owners' parameters after each step
         received = []
         for step in range(steps):
-            results = concurrently(*(
+            results = run_concurrently(*(
                 lambda r=r, s=step, p=copies[r]: group[r].step(p, p - targets[r], s, update)
                 for r in range(world)
             ))

@@ -10,10 +10,10 @@ import time
 
 import pytest
 import torch
-from concurrently import concurrently
 
 from testbed.collectives import create
 from testbed.collectives.base import Collective
+from testbed.collectives.lab import run_concurrently
 from testbed.collectives.lossy import Lossy, SeededLoss
 from testbed.transport.tcp import Listener
 from testbed.transport.udp import DatagramEndpoint
@@ -31,7 +31,7 @@ def lossy_group(
     chunks in tests that expect every one of them; it costs nothing when none is missing."""
     endpoints = [DatagramEndpoint(rank, RUN, ("127.0.0.1", 0)) for rank in range(world)]
     listeners = [Listener(("127.0.0.1", 0)) for _ in range(world)] if resync_every else None
-    return concurrently(*(
+    return run_concurrently(*(
         lambda rank=rank: Lossy(
             rank, world, addresses=[e.address for e in endpoints], endpoint=endpoints[rank],
             run_id=RUN, resync_every=resync_every, deadline_initial=deadline,
@@ -76,7 +76,7 @@ def test_without_loss_every_worker_gets_the_exact_mean(world, numel):
         assert all(isinstance(collective, Collective) for collective in group)
         inputs = seeded(world, numel)
         originals = [tensor.clone() for tensor in inputs]
-        results = concurrently(*(
+        results = run_concurrently(*(
             lambda r=r: group[r].allreduce(inputs[r].view(-1, 1), step=0) for r in range(world)
         ))
         expected = torch.stack(originals).mean(0).view(-1, 1)
@@ -97,7 +97,7 @@ def test_owners_average_each_chunk_over_the_contributions_that_came():
     group = lossy_group(world, test_loss=loss)
     try:
         inputs = seeded(world, numel)
-        results = concurrently(*(
+        results = run_concurrently(*(
             lambda r=r: group[r].allreduce(inputs[r], step=0) for r in range(world)
         ))
         chunk_numel = group[0].endpoint.chunk_numel()
@@ -126,7 +126,7 @@ def sgd(start: int, parameters: torch.Tensor, gradient: torch.Tensor) -> torch.T
 
 
 def sharded_steps(group: list[Lossy], parameters: list[torch.Tensor], gradients, step: int):
-    return concurrently(*(
+    return run_concurrently(*(
         lambda r=r: group[r].step(parameters[r], gradients[r], step, sgd)
         for r in range(len(group))
     ))
@@ -199,7 +199,7 @@ def test_a_silent_peer_is_named_waited_for_once_then_not_until_it_speaks_again()
     try:
         inputs = seeded(world, numel)
         for step in (0, 1):
-            results = concurrently(*(
+            results = run_concurrently(*(
                 lambda r=r, step=step: group[r].allreduce(inputs[r], step=step)
                 for r in range(world - 1)
             ))
@@ -223,7 +223,7 @@ def test_a_silent_peer_is_named_waited_for_once_then_not_until_it_speaks_again()
         # from then on everyone waits for it again.
         for step in (0, 1):  # what the others sent it is there already: no wait
             group[2].allreduce(inputs[2], step=step)
-        results = concurrently(*(
+        results = run_concurrently(*(
             lambda r=r: group[r].allreduce(inputs[r], step=2) for r in range(world)
         ))
         for result, stats in results:
@@ -253,7 +253,7 @@ def test_a_peer_that_computes_longer_than_the_deadline_is_waited_for_not_lost():
                 threading.Timer(lag, release.set).start()
             return group[rank].allreduce(inputs[rank], step=0)
 
-        results = concurrently(lambda: on_time(0), lambda: on_time(1), late_worker)
+        results = run_concurrently(lambda: on_time(0), lambda: on_time(1), late_worker)
         for result, stats in results:
             assert stats.coverage == 1.0, stats
             torch.testing.assert_close(result, sum(inputs) / world)
@@ -282,7 +282,7 @@ def test_workers_stay_in_step_when_some_pause():
                     time.sleep(pause)  # the work itself: these two compute longer once
                 coverage[rank].append(group[rank].allreduce(inputs[rank], step=step)[1].coverage)
 
-        concurrently(*(lambda r=r: run(r) for r in range(world)))
+        run_concurrently(*(lambda r=r: run(r) for r in range(world)))
         assert all(c == [1.0] * 20 for c in coverage.values()), coverage
     finally:
         close_all(group)
@@ -297,12 +297,14 @@ def test_a_worker_that_missed_steps_meets_the_others_at_the_step_it_rejoins():
     try:
         inputs = seeded(world, numel)
         for step in range(5):
-            concurrently(*(lambda r=r, step=step: group[r].allreduce(inputs[r], step=step)
-                           for r in range(world - 1)))
+            run_concurrently(*(lambda r=r, step=step: group[r].allreduce(inputs[r], step=step)
+                               for r in range(world - 1)))
         # Step 5: it is back (whether the others notice in time is a race); step 6: whole.
         for step in (5, 6):
-            results = concurrently(*(lambda r=r, step=step: group[r].allreduce(inputs[r], step=step)
-                                     for r in range(world)))
+            results = run_concurrently(*(
+                lambda r=r, step=step: group[r].allreduce(inputs[r], step=step)
+                for r in range(world)
+            ))
         for result, stats in results:
             assert stats.coverage == 1.0 and stats.peers_missing == (), stats
             torch.testing.assert_close(result, sum(inputs) / world)
@@ -344,7 +346,7 @@ def test_drift_stays_bounded_over_1000_steps_at_30_percent_loss_without_resync()
 
         drift, received = [], []
         for step in range(steps):
-            results = concurrently(*(
+            results = run_concurrently(*(
                 lambda r=r, s=step, p=copies[r]: group[r].step(p, p - targets[r], s, update)
                 for r in range(world)
             ))

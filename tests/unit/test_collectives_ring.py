@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from concurrently import concurrently
 
 from testbed.collectives.base import Collective
+from testbed.collectives.lab import run_concurrently
 from testbed.collectives.ring import Ring
 from testbed.transport.errors import TransportTimeout
 from testbed.transport.tcp import Listener
@@ -15,7 +15,7 @@ from testbed.transport.tcp import Listener
 def ring_of(world: int, timeout: float = 10.0) -> list[Ring]:
     listeners = [Listener(("127.0.0.1", 0)) for _ in range(world)]
     addresses = [listener.address for listener in listeners]
-    return concurrently(*(
+    return run_concurrently(*(
         lambda rank=rank: Ring(rank, world, addresses=addresses, listener=listeners[rank],
                                timeout=timeout)
         for rank in range(world)
@@ -31,7 +31,7 @@ def test_ring_gives_every_worker_the_exact_mean(world, numel):
             torch.randn(numel, generator=torch.Generator().manual_seed(r)) for r in range(world)
         ]
         originals = [t.clone() for t in inputs]
-        results = concurrently(*(
+        results = run_concurrently(*(
             lambda r=r: rings[r].allreduce(inputs[r], step=0) for r in range(world)
         ))
         expected = torch.stack(originals).mean(0)
@@ -54,7 +54,7 @@ def test_several_calls_in_one_step_keep_their_order():
             second, _ = rings[rank].allreduce(torch.full((2, 3), 10.0 * rank), step=5)
             return [first, second]
 
-        for first, second in concurrently(*(lambda r=r: worker(r) for r in range(3))):
+        for first, second in run_concurrently(*(lambda r=r: worker(r) for r in range(3))):
             assert torch.equal(first, torch.full((10,), 1.0))
             assert torch.equal(second, torch.full((2, 3), 10.0))
     finally:

@@ -9,7 +9,6 @@ import math
 
 import pytest
 import torch
-from concurrently import concurrently
 
 from testbed.collectives.compression import quantize as q
 from testbed.collectives.compression import wrap
@@ -22,6 +21,7 @@ from testbed.collectives.compression.sparsify import (
     random_coordinates,
     top_coordinates,
 )
+from testbed.collectives.lab import run_concurrently
 from testbed.collectives.lossy import Lossy
 from testbed.collectives.ring import Ring
 from testbed.transport.tcp import Listener
@@ -199,7 +199,7 @@ def test_the_marginal_sketch_scores_a_rank_one_energy_exactly():
 def ring_of(world: int) -> list[Ring]:
     listeners = [Listener(("127.0.0.1", 0)) for _ in range(world)]
     addresses = [listener.address for listener in listeners]
-    return concurrently(*(
+    return run_concurrently(*(
         lambda rank=rank: Ring(rank, world, addresses=addresses, listener=listeners[rank],
                                timeout=10)
         for rank in range(world)
@@ -209,7 +209,7 @@ def ring_of(world: int) -> list[Ring]:
 def lossy_of(world: int, **options) -> list[Lossy]:
     endpoints = [DatagramEndpoint(rank, 5, ("127.0.0.1", 0)) for rank in range(world)]
     listeners = [Listener(("127.0.0.1", 0)) for _ in range(world)]
-    return concurrently(*(
+    return run_concurrently(*(
         lambda rank=rank: Lossy(
             rank, world, addresses=[e.address for e in endpoints], endpoint=endpoints[rank],
             run_id=5, deadline_initial=5.0, deadline_floor=5.0,
@@ -241,8 +241,8 @@ def test_arc_topk_pattern_is_identical_on_every_worker(inner):
             inputs = gradients(world, numel, step)
             for rank in range(world):  # each worker's own strongest coordinates differ
                 inputs[rank][2000 + 500 * rank: 2000 + 500 * rank + 64] += 4.0
-            results = concurrently(*(lambda r=r, s=step, x=inputs: workers[r].allreduce(x[r], s)
-                                     for r in range(world)))
+            results = run_concurrently(*(lambda r=r, s=step, x=inputs: workers[r].allreduce(x[r], s)
+                                         for r in range(world)))
             patterns = [w.compressor.last_index for w in workers]
             assert all(torch.equal(p, patterns[0]) for p in patterns), "patterns differ"
             assert patterns[0].numel() == count_of(0.02, numel - 1)
@@ -284,8 +284,8 @@ def test_ef21m_with_arc_topk_keeps_the_accumulated_error_bounded():
         for step in range(steps):
             grads = (base * (1 + 0.5 * math.sin(step / 40))
                      + 0.1 * torch.randn(world, numel, generator=generator))
-            results = concurrently(*(lambda r=r, s=step, x=grads: workers[r].allreduce(x[r], s)
-                                     for r in range(world)))
+            results = run_concurrently(*(lambda r=r, s=step, x=grads: workers[r].allreduce(x[r], s)
+                                         for r in range(world)))
             patterns = [w.compressor.last_index for w in workers]
             assert all(torch.equal(p, patterns[0]) for p in patterns), "patterns differ"
             assert patterns[0].numel() == count_of(0.05, numel)
@@ -323,8 +323,8 @@ def test_every_compressor_estimates_the_mean(kind, inner):
         # Rand-K reaches a coordinate at random: (1 - 0.05)^120 of them are still unsent.
         calls = {"topk": 40, "arc_topk": 40, "randk": 120}.get(kind, 3)
         for step in range(calls):
-            results = concurrently(*(lambda r=r, s=step, x=inputs: workers[r].allreduce(x[r], s)
-                                     for r in range(world)))
+            results = run_concurrently(*(lambda r=r, s=step, x=inputs: workers[r].allreduce(x[r], s)
+                                         for r in range(world)))
             error = max(float(torch.linalg.vector_norm(r - expected)
                               / torch.linalg.vector_norm(expected)) for r, _ in results)
         bound = {"int8": 0.02, "int4": 0.3, "powersgd": 0.999, "randk": 0.1}.get(kind, 0.05)
@@ -348,10 +348,10 @@ def test_int4_over_the_ring_sends_an_eighth_of_the_bytes():
     compressed = [wrap(c, "int4", group_size=128) for c in ring_of(world)]
     try:
         inputs = gradients(world, numel, 0)
-        dense = concurrently(*(lambda r=r: plain[r].allreduce(inputs[r], 0)
-                               for r in range(world)))
-        small = concurrently(*(lambda r=r: compressed[r].allreduce(inputs[r], 0)
-                               for r in range(world)))
+        dense = run_concurrently(*(lambda r=r: plain[r].allreduce(inputs[r], 0)
+                                   for r in range(world)))
+        small = run_concurrently(*(lambda r=r: compressed[r].allreduce(inputs[r], 0)
+                                   for r in range(world)))
         ratio = small[0][1].bytes_sent / dense[0][1].bytes_sent
         assert 0.12 < ratio < 0.16, ratio  # 4 of 32 bits, plus a scale per 128 values
         assert all(torch.equal(r, small[0][0]) for r, _ in small), "copies differ"
@@ -385,8 +385,8 @@ def test_over_lossy_a_lost_chunk_costs_its_values_and_a_resync_reunites_the_esti
         drifted = False
         for step in range(6):
             inputs = gradients(world, numel, step)
-            results = concurrently(*(lambda r=r, s=step, x=inputs: workers[r].allreduce(x[r], s)
-                                     for r in range(world)))
+            results = run_concurrently(*(lambda r=r, s=step, x=inputs: workers[r].allreduce(x[r], s)
+                                         for r in range(world)))
             patterns = [w.compressor.last_index for w in workers]
             assert all(torch.equal(p, patterns[0]) for p in patterns), "patterns differ"
             assert all(torch.isfinite(r).all() for r, _ in results)

@@ -15,10 +15,10 @@ from functools import partial
 
 import pytest
 import torch
-from concurrently import concurrently
 
 from testbed.collectives.base import Collective
 from testbed.collectives.grid import Grid
+from testbed.collectives.lab import run_concurrently
 from testbed.collectives.membership import Member, Membership, host_store
 from testbed.collectives.moshpit import Moshpit, MoshpitStats, demo_input, run_demo_peer
 
@@ -51,8 +51,8 @@ def swarm(store) -> Iterator[Callable[..., dict[int, Moshpit]]]:
     def start(world: int, ranks: Iterable[int] | None = None, **options) -> dict[int, Moshpit]:
         options = {"group_size": 2, "timeout": 1.0, "heartbeat": 0.1, "expiry": 2.0, **options}
         ranks = list(range(world) if ranks is None else ranks)
-        peers = concurrently(*(partial(Moshpit, rank, world, store=store, serve_store=False,
-                                   **options) for rank in ranks))
+        peers = run_concurrently(*(partial(Moshpit, rank, world, store=store, serve_store=False,
+                                       **options) for rank in ranks))
         made.extend(peers)
         return dict(zip(ranks, peers, strict=True))
 
@@ -65,7 +65,7 @@ def reduce_all(
     peers: dict[int, Moshpit], inputs: torch.Tensor, step: int
 ) -> dict[int, tuple[torch.Tensor, MoshpitStats]]:
     ranks = list(peers)
-    results = concurrently(*(partial(peers[r].allreduce, inputs[r], step) for r in ranks))
+    results = run_concurrently(*(partial(peers[r].allreduce, inputs[r], step) for r in ranks))
     return dict(zip(ranks, results, strict=True))
 
 
@@ -111,7 +111,7 @@ def test_one_round_averages_exactly_within_groups(swarm):
     peers = swarm(4)
     inputs = torch.randn(4, NUMEL)
 
-    results = concurrently(*(partial(peers[r].average_round, inputs[r], 1) for r in range(4)))
+    results = run_concurrently(*(partial(peers[r].average_round, inputs[r], 1) for r in range(4)))
 
     grid = peers[0].grid
     expected, _ = reference(grid, inputs, [1])
@@ -286,8 +286,8 @@ def test_converges_while_a_different_fifth_of_the_peers_fails_every_round(swarm)
         while failed == previous:
             failed = set(rng.sample(range(world), failing))
         present = [rank for rank in range(world) if rank not in failed]
-        results = concurrently(*(partial(peers[rank].average_round, values[rank], round_index)
-                                 for rank in present))
+        results = run_concurrently(*(partial(peers[rank].average_round, values[rank], round_index)
+                                     for rank in present))
         expected, _ = reference(grid, values, [round_index], absent=failed)
         for rank, (result, stats) in zip(present, results, strict=True):
             (this_round,) = stats.rounds

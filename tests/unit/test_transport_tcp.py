@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from concurrently import concurrently
 
+from testbed.collectives.lab import run_concurrently
 from testbed.transport import (
     Kind,
     Listener,
@@ -34,7 +34,7 @@ def mesh() -> Iterator[Callable[..., list[StreamMesh]]]:
     def build(world: int, congestion: str | None = None) -> list[StreamMesh]:
         listeners = [Listener(LOOPBACK, congestion=congestion) for _ in range(world)]
         addresses = {rank: listener.address for rank, listener in enumerate(listeners)}
-        meshes = concurrently(*[
+        meshes = run_concurrently(*[
             lambda rank=rank: StreamMesh.open(rank, listeners[rank], addresses, run_id=RUN,
                                               timeout=WAIT)
             for rank in range(world)
@@ -61,7 +61,7 @@ def test_tensors_arrive_exactly(mesh, dtype):
     a, b = mesh(2)
     tensor = (torch.randn(2_000_000, generator=torch.Generator().manual_seed(3)) * 50).to(dtype)
     out = torch.empty_like(tensor)
-    _, received = concurrently(
+    _, received = run_concurrently(
         lambda: a[1].send_tensor(tensor, kind=Kind.GRADIENT, step=4, bucket=2, timeout=WAIT),
         lambda: b[0].recv_tensor(kind=Kind.GRADIENT, step=4, bucket=2, timeout=WAIT, out=out),
     )
@@ -164,7 +164,7 @@ def test_congestion_control_is_chosen_per_socket(mesh):
 
 def test_tcp_info_reads_the_kernels_figures(mesh):
     a, b = mesh(2)
-    concurrently(
+    run_concurrently(
         lambda: a[1].send_tensor(torch.zeros(100_000), kind=Kind.PARAMETER, step=0, bucket=0,
                                  timeout=WAIT),
         lambda: b[0].recv_tensor(kind=Kind.PARAMETER, step=0, bucket=0, timeout=WAIT),

@@ -1,14 +1,17 @@
-"""Collectives whose workers sit in the namespaces of a lab (one worker per host, in threads of
-the test's process), for the netns and netem_kernel tiers. A thread that enters a namespace
-(`netem.namespace.inside`) makes its sockets there, and so do the threads it starts: constructors
-and calls that may open connections or start senders run inside their worker's namespace."""
+"""Collectives on a lab of namespaces (`netem.lab.Lab`): one worker per host, each in a thread
+of this process inside its host's namespace; and `run_concurrently`, which runs blocking calls
+at once in threads with a bounded wait (peers that live in one process, in a lab or not).
+
+A thread that enters a namespace (`netem.namespace.inside`) makes its sockets there, and so do
+the threads it starts: constructors and calls that may open connections or start senders run
+inside their worker's namespace (`on_hosts`). Importing this module loads torch (the
+collectives do), so nothing torch-free in `testbed` imports it."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from typing import Literal, TypeVar
-
-from concurrently import concurrently
 
 from netem import LinkProfile, apply
 from netem.lab import Lab
@@ -19,7 +22,32 @@ from testbed.collectives.ring import Ring
 from testbed.transport.tcp import Listener
 
 PORT = 29500  # free on every host: its namespace is new
+WAIT = 30.0  # seconds a call may take before `run_concurrently` gives up instead of hanging
 T = TypeVar("T")
+
+
+def run_concurrently(*calls: Callable[[], object], wait: float = WAIT) -> list[object]:
+    """The calls' results in order, or the first exception one of them raised; TimeoutError
+    if one has not finished within `wait` seconds (its thread is a daemon, left behind)."""
+    results: list[object] = [None] * len(calls)
+    errors: list[BaseException] = []
+
+    def run(index: int) -> None:
+        try:
+            results[index] = calls[index]()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(calls))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(wait)
+        if thread.is_alive():
+            raise TimeoutError(f"a call did not finish within {wait} s")
+    if errors:
+        raise errors[0]
+    return results
 
 
 def shape_every_link(lab: Lab, profile: LinkProfile,
@@ -36,10 +64,11 @@ def on_hosts(lab: Lab, calls: Sequence[Callable[[], T]], wait: float = 60.0) -> 
         with inside(lab.hosts[index].netns):
             return calls[index]()
 
-    return concurrently(*(lambda i=i: within(i) for i in range(len(calls))), wait=wait)
+    return run_concurrently(*(lambda i=i: within(i) for i in range(len(calls))), wait=wait)
 
 
 def addresses(lab: Lab, port: int = PORT) -> list[tuple[str, int]]:
+    """Every host's (address, `port`), in rank order."""
     return [(host.address, port) for host in lab.hosts]
 
 

@@ -1,0 +1,31 @@
+"""The sentence that opens every results file: the command that wrote it, when it started, how
+long it took, and the machine it ran on."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import sys
+from pathlib import Path
+
+
+def command(module: str) -> str:
+    """This run's command as typed at the repository root: `.venv/bin/python -m MODULE` and
+    the arguments it was given."""
+    return " ".join([".venv/bin/python", "-m", module, *sys.argv[1:]])
+
+
+def cpu() -> str:
+    """The CPU's model name from /proc/cpuinfo, or the machine's architecture without one."""
+    return next((line.split(":", 1)[1].strip()
+                 for line in Path("/proc/cpuinfo").read_text().splitlines()
+                 if line.startswith("model name")), platform.machine())
+
+
+def written_by(command: str, started: datetime.datetime, elapsed_seconds: float) -> str:
+    """'Written by `COMMAND`, started YYYY-MM-DD HH:MM UTC, took N.N min. Machine: CPU, `nproc`
+    N, Linux RELEASE, Python VERSION.' (`started` in UTC)."""
+    return (f"Written by `{command}`, started {started:%Y-%m-%d %H:%M} UTC, took "
+            f"{elapsed_seconds / 60:.1f} min. Machine: {cpu()}, `nproc` {os.cpu_count()}, "
+            f"Linux {platform.release()}, Python {platform.python_version()}.")
