@@ -29,6 +29,9 @@ TIMING_FLOOR = 0.0005  # absolute allowance for delay and jitter: the path's own
 GUEST_TIMING_FLOOR = 0.002
 Z = 4.0  # binomial tolerances: a correct link fails a check with probability ~6e-5
 MIN_BURSTS = 20  # fewer loss bursts than this say nothing about their mean length
+# With more of the arrivals than this in flight while the sender stalled, the host was too busy
+# for the rest to speak for the link's delay.
+MAX_STALLED = 0.2
 
 
 # ---------------------------------------------------------------------------------------------
@@ -85,7 +88,7 @@ class Train:
     payload_ok: np.ndarray
     malformed: int = 0
     send_errors: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    send_stalls: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    stalls: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), dtype=np.int64))
     receiver_drops: int = 0
     unread: int = 0
     ended: bool = True
@@ -124,11 +127,26 @@ class ProbeResult:
     rate_frames: int = 0
     rate_frame_bytes: int = 0
     rate_offered: float | None = None  # what the bulk train's sender achieved, bits/s
-    send_stalls: int = 0  # probes left out of the delay figures: descheduled while sending
+    stalled: int = 0  # arrivals left out of the delay figures: in flight while the sender stalled
 
     @property
     def frame_bytes(self) -> int:
         return self.size + FRAME_OVERHEAD
+
+
+def in_flight_during(windows: np.ndarray, sent_ns: np.ndarray,
+                     recv_ns: np.ndarray) -> np.ndarray:
+    """Which arrivals were in flight (sent before a window ended, received after it began)
+    during any of the `windows` ((from, to) ns, disjoint, in order): vectorised."""
+    if not len(windows):
+        return np.zeros(sent_ns.shape, dtype=bool)
+    starts, ends = windows[:, 0], windows[:, 1]
+    # The first window ending after the send is the only one that can overlap first.
+    first = np.searchsorted(ends, sent_ns, side="right")
+    inside = first < len(windows)
+    hit = np.zeros(sent_ns.shape, dtype=bool)
+    hit[inside] = starts[first[inside]] < recv_ns[inside]
+    return hit
 
 
 def analyze(train: Train) -> ProbeResult:
@@ -150,8 +168,7 @@ def analyze(train: Train) -> ProbeResult:
     attempted = int(expected.sum())
     bursts = loss_bursts(lost[expected])
     lengths, counts = np.unique(bursts, return_counts=True)
-    # Arrivals whose send stalled carry a send time that says nothing about the link.
-    timed = ~np.isin(seq, train.send_stalls)
+    timed = ~in_flight_during(train.stalls, sent_ns, recv_ns)
     delay = (recv_ns[timed] - sent_ns[timed]) / 1e9
     arrivals = seq.size
     corrupt = int((~payload_ok).sum())
@@ -188,7 +205,7 @@ def analyze(train: Train) -> ProbeResult:
         send_errors=int(train.send_errors.size),
         receiver_drops=train.receiver_drops + train.unread,
         ended=train.ended,
-        send_stalls=int(train.send_stalls.size),
+        stalled=int((~timed).sum()),
     )
 
 
@@ -429,6 +446,13 @@ def _delay_checks(configured: LinkProfile, result: ProbeResult,
                   timing_floor: float) -> list[Check]:
     """Mean and spread of the one-way delay: a mixture of packets sent at once (the reordered
     fraction f) and packets delayed by delay +- jitter, plus the serialisation at the rate."""
+    if result.stalled > MAX_STALLED * max(result.arrivals, 1):
+        note = (f"{result.stalled} of {result.arrivals} probes were in flight while the "
+                "sender stalled: the host was too busy to judge delay; probe again")
+        return [
+            _skipped("delay mean", "seconds", result.delay_mean, note),
+            _skipped("jitter (stdev)", "seconds", result.delay_stdev, note),
+        ]
     if configured.rate and configured.jitter:
         note = (
             "with a rate, netem keeps packets in order: each waits for the one ahead, so "

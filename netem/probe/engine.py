@@ -52,9 +52,10 @@ DEFAULT_SIZE = 128  # UDP payload of a timed probe: small, so a 10 Mbit/s link i
 DEFAULT_INTERVAL = 0.0004  # 2500 probes/s: a UML guest keeps up with this, sending and receiving
 DEFAULT_COUNT = 5000
 END_SPACING = 0.01  # end-of-train markers repeat this often until one arrives
-# A probe whose send call returned this long after its stamp was taken had its sender
-# descheduled in between: its one-way delay would include that, so it is left out of the
-# delay statistics (and counted, `send_stalls`).
+# The sender not running for this long (a send that returned this late after its stamp, or a
+# wake-up this late after a probe was due) is a stall: on a busy host, or in a guest whose whole
+# kernel the host descheduled, the probes in flight meanwhile may be held up with it, so they
+# are left out of the delay statistics (`stalled` counts them).
 SEND_STALL = 0.001
 LINGER_MARGIN = 0.05  # extra wait after an end marker for probes still held by the link
 
@@ -195,9 +196,9 @@ class _Sender:
         self.destination, self.run, self.size = destination, run, size
         self.buffer = bytearray(encode(run, 0, 0, size))
 
-    def send(self, seq: int, kind: int = KIND_PROBE) -> int | None:
-        """Send one probe; returns how long the send took after its stamp (ns), None on an
-        error."""
+    def send(self, seq: int, kind: int = KIND_PROBE) -> tuple[int, int | None]:
+        """Send one probe; returns its stamp (ns) and how long the send took after it (ns;
+        None on an error)."""
         now = time.time_ns()
         HEADER.pack_into(
             self.buffer,
@@ -214,8 +215,8 @@ class _Sender:
         try:
             self.sock.sendto(self.buffer, self.destination)
         except OSError:
-            return None
-        return time.time_ns() - now
+            return now, None
+        return now, time.time_ns() - now
 
     def close(self) -> None:
         self.sock.close()
@@ -288,7 +289,7 @@ def run_train(
         try:
             _signal(receiver, sender, KIND_WARMUP, time.monotonic() + timeout)
             errors: list[int] = []
-            stalls: list[int] = []
+            stalls: list[tuple[int, int]] = []  # (from, to) ns: the sender did not run
             start = last = time.monotonic()
             seq = 0
             while seq < count:
@@ -300,11 +301,14 @@ def run_train(
                 if now < due:
                     receiver.wait(due - now)
                     continue
-                took = sender.send(seq)
+                late = now - due
+                stamp, took = sender.send(seq)
+                if late > SEND_STALL:  # woke that much after the probe was due
+                    stalls.append((stamp - int(late * 1e9), stamp))
                 if took is None:
                     errors.append(seq)
-                elif took > SEND_STALL * 1e9:
-                    stalls.append(seq)
+                elif took > SEND_STALL * 1e9:  # descheduled between the stamp and the kernel
+                    stalls.append((stamp, stamp + took))
                 seq += 1
                 last = now
             spacing = (time.monotonic() - start) / max(count - 1, 1)
@@ -322,7 +326,7 @@ def run_train(
             payload_ok=decoded.status[probes] == STATUS_OK,
             malformed=int((decoded.status == STATUS_MALFORMED).sum()),
             send_errors=np.asarray(errors, dtype=np.int64),
-            send_stalls=np.asarray(stalls, dtype=np.int64),
+            stalls=np.asarray(stalls, dtype=np.int64).reshape(-1, 2),
             receiver_drops=receiver.drops,
             unread=receiver.unread,
             ended=ended,

@@ -90,13 +90,11 @@ def test_the_quickstart_runs_in_a_guest_when_this_kernel_lacks_netem(tmp_path: P
 def _long_run(tmp_path: Path) -> tuple[Any, set[str], list[int]]:
     """`testbed run` of an endless scenario in a process of its own, once training started:
     (the process, the namespaces it made, their worker processes)."""
-    from pyroute2 import netns
 
     scenario = tmp_path / "long.yaml"
     scenario.write_text(SCENARIO.replace(f"steps: {STEPS}", "steps: 100000").replace(
         "name: run-e2e", "name: long"))
     out = tmp_path / "run"
-    before = set(netns.listnetns())
     runner = subprocess.Popen([sys.executable, "-m", "testbed.cli", "run", str(scenario),
                                "--sandbox", "none", "-o", str(out)],
                               stdout=subprocess.DEVNULL,
@@ -107,7 +105,11 @@ def _long_run(tmp_path: Path) -> tuple[Any, set[str], list[int]]:
             assert runner.poll() is None, "the run ended before training started"
             assert time.monotonic() < deadline, "no worker reported a step within 120 s"
             time.sleep(0.2)  # polling the run directory, a bounded wait
-        made = set(netns.listnetns()) - before
+        # The run's own namespaces, by the prefix it recorded (other tests' labs may come and
+        # go meanwhile).
+        cluster = next(json.loads(line) for line in (out / "events.jsonl").read_text()
+                       .splitlines() if '"cluster"' in line)
+        made = set(lab_namespaces(cluster["prefix"]))
         workers = [int(pid) for name in made for pid in subprocess.run(
             ["ip", "netns", "pids", name], capture_output=True, text=True).stdout.split()]
         assert made and workers

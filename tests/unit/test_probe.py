@@ -27,6 +27,7 @@ from netem.probe import (
     encode,
     expected_burst_mean,
     first_arrivals,
+    in_flight_during,
     late_arrivals,
     loss_bursts,
     overtaking_arrivals,
@@ -399,3 +400,40 @@ def test_bad_addresses_and_namespaces_are_clear_errors():
         probe("tb-no-such-ns", "tb-no-such-ns", "198.18.0.2")
     with pytest.raises(ProbeError, match="count"):
         probe(None, None, "127.0.0.1", count=0)
+
+
+# --- stalls of the sender -------------------------------------------------------------------
+
+
+def test_probes_in_flight_while_the_sender_stalled_leave_the_delay_figures():
+    """Probes 1 ms apart, 10 ms each; a 50 ms stall (the guest descheduled) from 100 to 150 ms
+    held up the probes then in flight: they are counted apart, and the delay stays the link's."""
+    n = 1000
+    delays = np.full(n, 0.010)
+    held = (np.arange(n) >= 90) & (np.arange(n) < 150)  # in flight during the stall
+    delays[held] += 0.150 - np.arange(n)[held] * 0.001
+    stall = np.array([[100_000_000, 150_000_000]])
+    result = analyze(train(np.arange(n), sent=n, delays=delays, stalls=stall))
+    assert result.stalled == int(held.sum()) + 0  # exactly the ones in flight
+    assert result.delay_mean == pytest.approx(0.010) and result.delay_stdev == pytest.approx(0)
+    unfiltered = analyze(train(np.arange(n), sent=n, delays=delays))
+    assert unfiltered.stalled == 0 and unfiltered.delay_stdev > 0.005
+
+
+def test_in_flight_during_finds_every_overlap():
+    windows = np.array([[10, 20], [40, 50]])
+    sent = np.array([0, 5, 15, 25, 30, 45, 55])
+    recv = np.array([9, 12, 16, 35, 41, 60, 70])
+    assert in_flight_during(windows, sent, recv).tolist() == [
+        False, True, True, False, True, True, False]
+    assert not in_flight_during(np.zeros((0, 2), dtype=np.int64), sent, recv).any()
+
+
+def test_a_host_too_busy_to_judge_delay_skips_the_delay_checks():
+    profile = LinkProfile.parse(delay="10ms")
+    busy = perfect(delay_mean=0.0105, delay_stdev=0.003, stalled=3000)
+    checks = by_name(compare(profile, busy))
+    assert checks["delay mean"].passed is None and "too busy" in checks["delay mean"].note
+    assert checks["jitter (stdev)"].passed is None
+    calm = perfect(delay_mean=0.0100, delay_stdev=0.0, stalled=10)
+    assert by_name(compare(profile, calm))["delay mean"].passed is True
