@@ -95,6 +95,7 @@ class Command:
         """Start the command (in a process group of its own); returns its pid."""
         if not self.cwd.is_dir():
             raise FileNotFoundError(f"job.cwd: {self.cwd} is not a directory")
+        self.stdout_path.parent.mkdir(parents=True, exist_ok=True)
         with self.stdout_path.open("ab") as out, self.stderr_path.open("ab") as err:
             try:
                 self.process = subprocess.Popen(self.argv, cwd=self.cwd, env=self.env,

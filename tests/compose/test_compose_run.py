@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import pytest
+import yaml
 
 from testbed.compose import PROMETHEUS_PORT, write_project
 
@@ -223,3 +224,30 @@ def test_the_quickstart_needs_netem_and_says_so_where_the_kernel_lacks_it(docker
         assert set(codes.values()) == {"2"}, (codes, logs[-3000:])
         assert logs.count("cannot shape its links here") == 4, logs[-3000:]
         assert "the fallback cannot shape delay" in logs, logs[-3000:]
+
+
+def test_a_torchrun_script_runs_unmodified_as_a_compose_job(docker_engine, tmp_path):
+    """docs/your-code.md's example under Compose, loss only (this kernel's fallback): every
+    container runs train.py (the scenario's directory is mounted at /job) with the
+    torch.distributed environment on the project's network, and every replica ends the same."""
+    example = Path(__file__).resolve().parents[2] / "examples" / "ddp"
+    data = yaml.safe_load((example / "scenario.yaml").read_text())
+    data["topology"]["default"].pop("delay")
+    data["job"]["command"] = ["python", "train.py", "--steps", "10"]
+    scenario = example / f".compose-tier-{os.getpid()}.yaml"  # beside train.py, as a user's
+    scenario.write_text(yaml.safe_dump(data))
+    try:
+        project = write_project(scenario, tmp_path / "project")
+    finally:
+        scenario.unlink()
+    workers = [f"worker-{rank}" for rank in range(4)]
+    with _running(project, *workers):
+        states = _wait_for("every worker to end", lambda: _workers(project), _ended,
+                           timeout=600)
+    assert {code for _, code in states.values()} == {"0"}, states
+    (run,) = (tmp_path / "project" / "runs").iterdir()
+    ends = [json.loads((run / "logs" / f"worker-{rank}.stdout").read_text().splitlines()[-1])
+            for rank in range(4)]
+    assert len({end["checksum"] for end in ends}) == 1, ends
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["success"] is True and len(summary["commands"]) == 4, summary
