@@ -390,10 +390,16 @@ def nft_script(statements: list[str], netns: str | None) -> None:
 
 
 def _nft_chains(netns: str | None) -> set[tuple[str, str, str]]:
-    """(family, table, chain) of every nft chain in the namespace (none without nft)."""
+    """(family, table, chain) of every nft chain in the namespace. None without a usable
+    nftables (no nft command, or a kernel without nf_tables, where `list` itself fails): then
+    nothing of the fallback's can be there, and the netem backend, which needs no nftables,
+    goes on."""
     if shutil.which("nft") is None:
         return set()
-    listing = json.loads(_nft(netns, "-j", "list", "chains"))
+    try:
+        listing = json.loads(_nft(netns, "-j", "list", "chains"))
+    except ShapingError:
+        return set()
     return {
         (item["chain"]["family"], item["chain"]["table"], item["chain"]["name"])
         for item in listing["nftables"]

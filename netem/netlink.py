@@ -380,7 +380,7 @@ def profile_from_options(options: NetemOptions, distribution: str = "uniform") -
             loss_bad=_fraction(U32_MAX - gemodel["h"]),
             loss_good=_fraction(gemodel["k1"]),
         )
-    return LinkProfile.parse(values)
+    return LinkProfile.build(values)
 
 
 def _annotation_file(key: str) -> Path:

@@ -17,6 +17,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -40,9 +41,27 @@ def _on_grid(value: float) -> float:
     return round(value, 9)
 
 
+# Validation context of human input (`LinkProfile.parse`, scenario files): a link's times and
+# rate need their unit there; code that builds profiles in base units validates without it.
+HUMAN = {"human": True}
+
+
+def _human(info: ValidationInfo) -> bool:
+    return bool(info.context and info.context.get("human"))
+
+
+def _link_time(value: Any, info: ValidationInfo) -> float:
+    return _on_grid(parse_time(value, unit_required=_human(info)))
+
+
+def _link_rate(value: Any, info: ValidationInfo) -> int:
+    return max(8, parse_rate(value, unit_required=_human(info)) // 8 * 8)
+
+
 Seconds = Annotated[float, BeforeValidator(lambda v: _on_grid(parse_time(v)))]
+LinkTime = Annotated[float, BeforeValidator(_link_time)]  # a unit required in human input
 Fraction = Annotated[float, BeforeValidator(lambda v: _on_grid(parse_fraction(v)))]
-BitsPerSecond = Annotated[int, BeforeValidator(lambda v: max(8, parse_rate(v) // 8 * 8))]
+BitsPerSecond = Annotated[int, BeforeValidator(_link_rate)]  # a unit required in human input
 
 
 class ProfileError(ValueError):
@@ -82,8 +101,8 @@ class LinkProfile(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    delay: Seconds = 0.0
-    jitter: Seconds = 0.0
+    delay: LinkTime = 0.0
+    jitter: LinkTime = 0.0
     delay_correlation: Fraction = 0.0
     distribution: Literal["uniform", "normal", "pareto", "paretonormal"] = "uniform"
     loss: Fraction = 0.0
@@ -136,10 +155,20 @@ class LinkProfile(BaseModel):
 
     @classmethod
     def parse(cls, spec: Mapping[str, Any] | None = None, **fields: Any) -> LinkProfile:
-        """Build a profile from human values, raising `ProfileError` that names the bad field."""
-        values = {**(spec or {}), **fields}
+        """Build a profile from human values ('10ms', '5%', '100mbit': times and rates with
+        their unit), raising `ProfileError` that names the bad field."""
+        return cls._validated({**(spec or {}), **fields}, HUMAN)
+
+    @classmethod
+    def build(cls, values: Mapping[str, Any]) -> LinkProfile:
+        """Build a profile from values in base units (seconds, fractions, bits/s: what code
+        holds, `model_dump`'s output), raising `ProfileError` that names the bad field."""
+        return cls._validated(values, None)
+
+    @classmethod
+    def _validated(cls, values: Mapping[str, Any], context: dict | None) -> LinkProfile:
         try:
-            return cls.model_validate(values)
+            return cls.model_validate(values, context=context)
         except ValidationError as error:
             raise ProfileError(describe_errors(error, "link profile", cls)) from None
 

@@ -2,6 +2,8 @@
 
 Every parser accepts either a number in base units (seconds, a 0..1 fraction, bits per second)
 or a string with a unit, and raises ``ValueError`` with a message that says what is allowed.
+Human input of a link's times and rates asks for the unit (`unit_required`): a bare `delay: 5`
+would be 5 seconds where 5 ms was meant, a bare `rate: 100` 100 bit/s; only 0 needs none.
 """
 
 from __future__ import annotations
@@ -56,12 +58,17 @@ def _number(value: object, help_text: str) -> float | None:
     raise ValueError(f"expected {help_text}, got {value!r}")
 
 
-def parse_time(value: object) -> float:
-    """Seconds from '10ms', '1.5s', '250us', '3ns' or a number of seconds."""
+def parse_time(value: object, *, unit_required: bool = False) -> float:
+    """Seconds from '10ms', '1.5s', '250us', '3ns' or a number of seconds (with
+    `unit_required`, only from a string with its unit, or 0)."""
     number = _number(value, TIME_HELP)
+    unit = ""
     if number is None:
         magnitude, unit = _split(str(value), _TIME_UNITS, TIME_HELP)
         number = magnitude * _TIME_UNITS[unit]
+    if unit_required and not unit and number != 0:
+        raise ValueError(f"{value!r} has no unit: write '{_bare(value)}ms' or '{_bare(value)}s' "
+                         "(a bare number would be seconds)")
     if number < 0:
         raise ValueError(f"expected {TIME_HELP} (not negative), got {value!r}")
     return number
@@ -82,15 +89,24 @@ def parse_fraction(value: object) -> float:
     return number
 
 
-def parse_rate(value: object) -> int:
-    """Bits per second from '100mbit', '1gbit', '10mbps' (bytes) or a number of bits/s."""
+def parse_rate(value: object, *, unit_required: bool = False) -> int:
+    """Bits per second from '100mbit', '1gbit', '10mbps' (bytes) or a number of bits/s (with
+    `unit_required`, only from a string with its unit)."""
     number = _number(value, RATE_HELP)
+    unit = ""
     if number is None:
         magnitude, unit = _split(str(value), _RATE_UNITS, RATE_HELP)
         number = magnitude * _RATE_UNITS[unit]
+    if unit_required and not unit and number != 0:
+        raise ValueError(f"{value!r} has no unit: write '{_bare(value)}mbit' or "
+                         f"'{_bare(value)}kbit' (a bare number would be bits/s)")
     if number <= 0:
         raise ValueError(f"expected {RATE_HELP} (greater than zero), got {value!r}")
     return round(number)
+
+
+def _bare(value: object) -> str:
+    return str(value).strip()
 
 
 def format_time(seconds: float) -> str:

@@ -11,6 +11,7 @@ from typing import Annotated, Any, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from netem.profile import HUMAN
 from testbed.collectives.registry import kinds
 from testbed.scenario.model import (
     COLLECTIVES,
@@ -78,7 +79,7 @@ def load_scenario(source: str | Path, *, steps: int | None = None) -> Scenario:
     if path is not None and "name" not in data:
         data = {"name": path.stem, **data}
     try:
-        scenario = Scenario.model_validate(data)
+        scenario = Scenario.model_validate(data, context=HUMAN)
         return scenario if steps is None else scenario.with_steps(steps)
     except ValidationError as error:
         raise ScenarioError(label, _problems(error, data, root)) from None

@@ -29,7 +29,7 @@ from pydantic import (
 )
 from pydantic.json_schema import GenerateJsonSchema
 
-from netem.profile import BitsPerSecond, Fraction, LinkProfile, ProfileError, Seconds
+from netem.profile import BitsPerSecond, Fraction, LinkProfile, LinkTime, ProfileError, Seconds
 from netem.units import FRACTION_HELP, RATE_HELP, TIME_HELP
 from testbed.collectives import registry
 from testbed.scenario.links import ALL, LinkState
@@ -224,7 +224,7 @@ def patch_profile(current: LinkProfile, change: BaseModel) -> LinkProfile:
     null goes back to its default. Raises `ProfileError` if the result is not a valid profile."""
     merged = {**current.model_dump(by_alias=True),
               **change.model_dump(include=set(change.model_fields_set), by_alias=True)}
-    return LinkProfile.parse({key: value for key, value in merged.items() if value is not None})
+    return LinkProfile.build({key: value for key, value in merged.items() if value is not None})
 
 
 def _profile_message(error: ProfileError) -> str:
@@ -408,7 +408,7 @@ class RampLink(_Model):
             a, b = getattr(start, name), getattr(self.to, name)
             value = a + (b - a) * share
             values[name] = round(value) if name == "rate" else value
-        return LinkProfile.parse({**start.model_dump(by_alias=True), **values})
+        return LinkProfile.build({**start.model_dump(by_alias=True), **values})
 
 
 class StragglerBurst(_Model):
@@ -813,31 +813,41 @@ class Scenario(_Model):
 
 # --- JSON Schema --------------------------------------------------------------------------------
 
-_NUMBER = r"-?[0-9]*\.?[0-9]+([eE][-+]?[0-9]+)?"
+_MAGNITUDE = r"([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?"  # not negative
+_ZERO = r"0*\.?0*"
+_TIME_UNITS = "s|sec|ms|msec|us|usec|ns|nsec|S|MS|US|NS"
+_RATE_UNITS = "bit|bps|[kKmMgGtT]bit|[kKmMgG]bps"
+_PERCENT = r"(100(\.0*)?|[0-9]?[0-9](\.[0-9]*)?|\.[0-9]+)\s*%"  # 0% to 100%
+_FRACTION = r"(0?\.[0-9]+|[01](\.0*)?|0\.[0-9]*)"  # 0 to 1
 
 
-def _units(help_text: str, number: dict, units: str) -> Callable[[dict], dict]:
-    def schema(_inner: dict) -> dict:
-        pattern = rf"^\s*{_NUMBER}\s*({units})\s*$"
-        return {"anyOf": [number, {"type": "string", "pattern": pattern}], "description":
-                help_text}
-    return schema
+def _string(pattern: str) -> dict:
+    return {"type": "string", "pattern": rf"^\s*({pattern})\s*$"}
+
+
+def _schema(help_text: str, *branches: dict) -> Callable[[dict], dict]:
+    return lambda _inner: {"anyOf": list(branches), "description": help_text}
 
 
 def _before(annotated: Any) -> Callable:
     return next(m.func for m in get_args(annotated)[1:] if isinstance(m, BeforeValidator))
 
 
-_TIME = _units(TIME_HELP, {"type": "number", "minimum": 0},
-               "|s|sec|ms|msec|us|usec|ns|nsec|S|MS|US|NS")
+_TIME = _schema(TIME_HELP, {"type": "number", "minimum": 0},
+                _string(rf"{_MAGNITUDE}\s*({_TIME_UNITS})?"))
 # Before-validators that accept more than their inner type (human units, a single item for a
-# list, a count for `workers`), and the JSON Schema of what they accept.
+# list, a count for `workers`), and the JSON Schema of what they accept. A link's times and rate
+# take their unit (only 0 goes without), as the loader says.
 _WIDER: dict[Callable, Callable[[dict], dict]] = {
     _before(Seconds): _TIME,
-    _before(Fraction): _units(FRACTION_HELP, {"type": "number", "minimum": 0, "maximum": 1},
-                              "%|"),
-    _before(BitsPerSecond): _units(RATE_HELP, {"type": "number", "exclusiveMinimum": 0},
-                                   "|bit|bps|[kKmMgGtT]bit|[kKmMgG]bps"),
+    _before(LinkTime): _schema(
+        f"{TIME_HELP} (with its unit: a bare number would be seconds)", {"const": 0},
+        _string(rf"{_MAGNITUDE}\s*({_TIME_UNITS})|{_ZERO}")),
+    _before(Fraction): _schema(FRACTION_HELP, {"type": "number", "minimum": 0, "maximum": 1},
+                               _string(f"{_PERCENT}|{_FRACTION}")),
+    _before(BitsPerSecond): _schema(
+        f"{RATE_HELP} (with its unit: a bare number would be bits/s)",
+        _string(rf"{_MAGNITUDE}\s*({_RATE_UNITS})")),
     _threshold: lambda inner: {"anyOf": [_TIME(inner), {"const": "auto"}],
                                "description": f"'auto' or {TIME_HELP}"},
     _as_list: lambda inner: {"anyOf": [inner.get("items", {}), inner]},

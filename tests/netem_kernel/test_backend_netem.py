@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 
 import pytest
@@ -109,3 +110,22 @@ def test_rendered_commands_build_the_same_tree(make_lab):
     for command in render_commands(plan, lab.switch):
         subprocess.run(command, shell=True, check=True, capture_output=True)
     assert show(lab.hosts[2].switch_port, netns=lab.switch) == rules
+
+
+def test_the_netem_backend_needs_no_nftables(make_lab, tmp_path, monkeypatch):
+    """A kernel with netem but without a usable nftables (nf_tables not loaded: `nft` cannot
+    even list chains): shaping with netem, reading it back and clearing it never need nft."""
+    fake = tmp_path / "nft"
+    fake.write_text("#!/bin/sh\necho 'netlink: Error: cache initialization failed: Invalid "
+                    "argument' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    lab = make_lab(2)
+    a, b = lab.hosts
+    profile = LinkProfile.parse(delay="30ms", loss="10%")
+    apply(b.switch_port, {a.address: profile, None: LinkProfile()}, netns=lab.switch)
+    assert show(b.switch_port, netns=lab.switch)[a.address] == profile
+    change(b.switch_port, {a.address: LinkProfile.parse(delay="10ms"), None: LinkProfile()},
+           netns=lab.switch)
+    clear(b.switch_port, netns=lab.switch)
+    assert show(b.switch_port, netns=lab.switch) == {}
