@@ -8,6 +8,7 @@ would be 5 seconds where 5 ms was meant, a bare `rate: 100` 100 bit/s; only 0 ne
 
 from __future__ import annotations
 
+import math
 import re
 
 _NUMBER = r"(-?[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)"
@@ -44,15 +45,22 @@ def _split(text: str, units: dict, help_text: str) -> tuple[float, str]:
     match = re.fullmatch(_NUMBER + r"\s*([a-zA-Z%]*)", text.strip())
     if not match or match.group(2).lower() not in units:
         raise ValueError(f"expected {help_text}, got {text!r}")
-    return float(match.group(1)), match.group(2).lower()
+    return _finite(float(match.group(1)), text, help_text), match.group(2).lower()
+
+
+def _finite(number: float, value: object, help_text: str) -> float:
+    if not math.isfinite(number):
+        raise ValueError(f"expected {help_text} (a finite number), got {value!r}")
+    return number
 
 
 def _number(value: object, help_text: str) -> float | None:
-    """Return a plain number, or None if ``value`` is a string to parse; reject other types."""
+    """Return a plain number, or None if ``value`` is a string to parse; reject other types
+    and numbers that are not finite."""
     if isinstance(value, bool):
         raise ValueError(f"expected {help_text}, got {value!r}")
     if isinstance(value, int | float):
-        return float(value)
+        return _finite(float(value), value, help_text)
     if isinstance(value, str):
         return None
     raise ValueError(f"expected {help_text}, got {value!r}")

@@ -163,16 +163,19 @@ def _problems(error: ValidationError, data: dict, root: yaml.Node) -> list[Probl
 
 
 def _clean(loc: tuple, data: dict) -> Loc:
-    """Drop the parts pydantic adds for unions: the collective's kind tag, member type names."""
+    """Drop the parts pydantic adds for unions (the collective's kind tag, the job's, member
+    type names), keeping every part that is a key or index of the document there."""
     cleaned: list[str | int] = []
+    value: Any = data
     for part in loc:
-        if isinstance(part, str) and ("[" in part or "(" in part):
-            continue
-        if cleaned == ["collective"] and part in kinds():
-            continue
-        if cleaned == ["job"] and part in (TRAINING_JOB, COMMAND_JOB):
+        present = _has(value, part) if isinstance(value, dict | list) else False
+        added = (isinstance(part, str) and ("[" in part or "(" in part)) or (
+            cleaned == ["collective"] and part in kinds()) or (
+            cleaned == ["job"] and part in (TRAINING_JOB, COMMAND_JOB))
+        if added and not present:
             continue
         cleaned.append(part)
+        value = value[part] if present else None
     return tuple(cleaned)
 
 

@@ -11,6 +11,8 @@ groups) run once the fields are valid and report each problem at its own path (`
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Callable, Iterator, Mapping
 from functools import reduce
 from operator import or_
@@ -50,10 +52,16 @@ class Problems(ValueError):
 
 
 def dotted(loc: Loc) -> str:
-    """`('topology', 'links', 2, 'profile', 'loss')` -> `topology.links[2].profile.loss`."""
+    """`('topology', 'links', 2, 'profile', 'loss')` -> `topology.links[2].profile.loss`; a key
+    that is not a plain name is quoted (`workers["a b"]`)."""
     text = ""
     for part in loc:
-        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
+        if isinstance(part, int):
+            text += f"[{part}]"
+        elif not re.fullmatch(r"[A-Za-z0-9_-]+", str(part)):
+            text += f"[{json.dumps(str(part))}]"
+        else:
+            text += f".{part}" if text else str(part)
     return text
 
 
