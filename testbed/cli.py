@@ -36,7 +36,8 @@ def clean() -> None:
 
     Only names with the testbed's prefixes are touched: labs (`tb…-h…`, `tb…-sw`), capability
     probes (`tbcap-PID-…`) and the work directories of guests, each only once its owner is gone;
-    Compose projects whose workers carry the `testbed.scenario` label.
+    Compose projects whose workers carry the `testbed.scenario` label, once none of them runs (a
+    running one may be a live run: it is named, with the command that ends it).
     """
     from rich.console import Console
 
@@ -47,7 +48,7 @@ def clean() -> None:
 
     removed = remove_namespaces(orphans_only=True) + remove_orphan_probes()
     stale = remove_stale_workdirs()
-    projects = remove_projects()
+    projects, running = remove_projects()
     listing = f": {', '.join(removed)}" if removed else ""
     console = Console()
     console.print(f"removed {len(removed)} namespace(s){listing}")
@@ -56,6 +57,9 @@ def clean() -> None:
     )
     console.print(f"removed {len(projects)} Compose project(s)"
                   + (f": {', '.join(projects)}" if projects else ""))
+    for project in running:
+        console.print(f"left running: Compose project {project} (a live run? end it with "
+                      f"`docker compose -p {project} down`)")
 
 
 @app.command()

@@ -192,25 +192,29 @@ def default_directory(scenario: Scenario) -> Path:
     return base / "build" / "compose" / project_name(scenario.name)
 
 
-def remove_projects() -> list[str]:
+def remove_projects() -> tuple[list[str], list[str]]:
     """Remove the containers and networks of every Compose project of the testbed's (found by
-    the workers' `testbed.scenario` label) that a killed `up` left; returns the projects.
-    Nothing to do, and no error, where no Docker Engine answers."""
+    the workers' `testbed.scenario` label) that has no running container: what a killed `up`
+    or an ended run left. A project with a running worker may be someone's live run: it is
+    left alone. Returns (the projects removed, those left running). Nothing to do, and no
+    error, where no Docker Engine answers."""
     import docker
 
     try:
         client = docker.from_env(timeout=10)
         client.ping()
     except Exception:  # no engine, no socket, no permission: nothing of ours can be running
-        return []
-    projects = set()
+        return [], []
+    projects: dict[str, bool] = {}  # project -> whether one of its workers runs
     for container in client.containers.list(all=True, filters={"label": "testbed.scenario"}):
-        projects.add(container.labels.get("com.docker.compose.project", ""))
-    projects.discard("")
-    for project in sorted(projects):
+        project = container.labels.get("com.docker.compose.project", "")
+        if project:
+            projects[project] = projects.get(project, False) or container.status == "running"
+    removed = sorted(project for project, running in projects.items() if not running)
+    for project in removed:
         label = {"label": f"com.docker.compose.project={project}"}
         for container in client.containers.list(all=True, filters=label):
             container.remove(force=True)
         for network in client.networks.list(filters=label):
             network.remove()
-    return sorted(projects)
+    return removed, sorted(project for project, running in projects.items() if running)
