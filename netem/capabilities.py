@@ -20,6 +20,7 @@ from pathlib import Path
 from pyroute2 import NetNS, netns
 from pyroute2.netlink.exceptions import NetlinkError
 
+from netem.extras import MissingExtra, require
 from netem.sandbox import cached_kernel, default_cache_dir, describe
 
 NETNS_PREFIX = "tbcap-"
@@ -226,8 +227,10 @@ def _probe_nft(name: str, found: dict[str, bool], details: dict[str, str]) -> No
 
 
 def _docker_engine() -> tuple[bool, str]:
-    import docker  # slow to import; only the doctor needs it
-
+    try:  # slow to import; only the doctor needs it
+        docker = require("docker", "compose", "talking to Docker Engine")
+    except MissingExtra as error:
+        return False, str(error)
     try:
         client = docker.from_env(timeout=3)
         with contextlib.closing(client):

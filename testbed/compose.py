@@ -23,6 +23,7 @@ from typing import Any
 
 import yaml
 
+from netem.extras import require
 from testbed.cluster.node import preempting
 from testbed.cluster.worker import PORTS
 from testbed.scenario import load_scenario
@@ -198,12 +199,11 @@ def remove_projects() -> tuple[list[str], list[str]]:
     or an ended run left. A project with a running worker may be someone's live run: it is
     left alone. Returns (the projects removed, those left running). Nothing to do, and no
     error, where no Docker Engine answers."""
-    import docker
-
     try:
+        docker = require("docker", "compose", "Docker Engine's API")
         client = docker.from_env(timeout=10)
         client.ping()
-    except Exception:  # no engine, no socket, no permission: nothing of ours can be running
+    except Exception:  # no SDK, no engine, no permission: nothing of ours can be running
         return [], []
     projects: dict[str, bool] = {}  # project -> whether one of its workers runs
     for container in client.containers.list(all=True, filters={"label": "testbed.scenario"}):

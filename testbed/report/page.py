@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from testbed.report.plots import PLOTS, draw_all
-from testbed.report.run import INDEX, SUMMARY, Run, load_run, summarize
+from netem.extras import MissingExtra, require
+from testbed.report.run import INDEX, PLOT_TITLES, SUMMARY, Run, load_run, summarize
 from testbed.report.run import PLOTS as PLOTS_DIR
 from testbed.scenario import ScenarioError, load_scenario
 
@@ -101,7 +101,7 @@ def _table(rows: Sequence[tuple[str, dict[str, Any]]], figures: list[tuple[str, 
 
 def _figures(drawn: dict[str, Path], skipped: dict[str, str], base: Path) -> str:
     parts = []
-    for name, title in PLOTS.items():
+    for name, title in PLOT_TITLES.items():
         if name in drawn:
             source = drawn[name].relative_to(base).as_posix()
             parts.append(f'<figure><img src="{html.escape(source)}" alt="{html.escape(title)}">'
@@ -110,6 +110,17 @@ def _figures(drawn: dict[str, Path], skipped: dict[str, str], base: Path) -> str
             parts.append(f"<p class=\"warn\">{html.escape(title)}: not drawn "
                          f"({html.escape(skipped[name])}).</p>")
     return "\n".join(parts)
+
+
+def _draw(runs: list[tuple[str, Run]], directory: Path) -> tuple[dict[str, Path], dict[str, str]]:
+    """The plots (`plots.draw_all`), or none, each saying why, without matplotlib."""
+    try:
+        require("matplotlib", "reports", "the report's plots")
+    except MissingExtra as error:
+        return {}, dict.fromkeys(PLOT_TITLES, str(error))
+    from testbed.report.plots import draw_all
+
+    return draw_all(runs, directory)
 
 
 def _network(run: Run) -> str:
@@ -195,7 +206,7 @@ def render_run(run_dir: str | Path | Run, out_dir: str | Path | None = None) -> 
             summary["success"] = False
             summary["error"] = summary.get("error") or "the run did not finish (no summary.json)"
         (run.path / SUMMARY).write_text(json.dumps(summary, indent=2) + "\n")
-    drawn, skipped = draw_all([(run.name, run)], out / PLOTS_DIR)
+    drawn, skipped = _draw([(run.name, run)], out / PLOTS_DIR)
     body = [
         f"<p>Run directory: <code>{html.escape(str(run.path.resolve()))}</code></p>",
         "<h2>Summary</h2>",
@@ -255,7 +266,7 @@ def render_comparison(run_dirs: Sequence[str | Path | Run], out_dir: str | Path)
     runs = [r if isinstance(r, Run) else load_run(r) for r in run_dirs]
     labels = labels_for(runs)
     out = Path(out_dir)
-    drawn, skipped = draw_all(list(zip(labels, runs, strict=True)), out / PLOTS_DIR)
+    drawn, skipped = _draw(list(zip(labels, runs, strict=True)), out / PLOTS_DIR)
     summaries = [run_summary(run) for run in runs]
     warnings = [w for run in runs for w in run.warnings]
     directories = "".join(

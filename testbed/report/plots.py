@@ -17,17 +17,10 @@ import numpy as np
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
-from testbed.report.run import Run
+from testbed.report.run import PLOT_TITLES, Run
 
 Labelled = Sequence[tuple[str, Run]]
 
-# File name, title: the plots in the order the page shows them.
-PLOTS = {
-    "loss": "Training loss",
-    "drift": "Parameter drift over time",
-    "stragglers": "Straggler delay distribution",
-    "links": "Loss per link: measured vs configured",
-}
 MAX_WORKER_LINES = 16  # more workers than this: only the mean and the spread are drawn
 
 
@@ -93,7 +86,7 @@ def plot_loss(runs: Labelled, path: Path) -> Path | None:
             high = np.fmax.reduceat(loss[order], starts)
             axes.fill_between(unique, low, high, color=color, alpha=0.15, linewidth=0)
             axes.plot(unique, mean, color=color, linewidth=2, label=f"{label} (mean)")
-    axes.set_title(PLOTS["loss"] + (" per worker" if len(runs) == 1
+    axes.set_title(PLOT_TITLES["loss"] + (" per worker" if len(runs) == 1
                                      else " per run (band: workers' min to max)"))
     axes.set_xlabel("step")
     axes.set_ylabel("loss (cross-entropy, nats)")
@@ -123,7 +116,7 @@ def plot_drift(runs: Labelled, path: Path) -> Path | None:
             _, mean_t, mean_drift = _group_mean(run.column("step")[ok], t[ok], drift[ok])
             axes.plot(mean_t, mean_drift, color=color, linewidth=2, label=f"{label} (mean)")
     _faults(axes, runs, colors)
-    axes.set_title(PLOTS["drift"])
+    axes.set_title(PLOT_TITLES["drift"])
     axes.set_xlabel("time since start (s)")
     axes.set_ylabel("drift (L2 distance from the mean parameters)")
     axes.grid(alpha=0.3)
@@ -178,7 +171,7 @@ def plot_stragglers(runs: Labelled, path: Path) -> Path | None:
     left.set_title("Wait after compute (collective + waiting for peers)", fontsize="medium")
     _histograms(right, delays, "ms", "injected straggler delay")
     right.set_title("Injected straggler delay", fontsize="medium")
-    figure.suptitle(PLOTS["stragglers"])
+    figure.suptitle(PLOT_TITLES["stragglers"])
     return _save(figure, path)
 
 
@@ -232,7 +225,7 @@ def plot_links(runs: Labelled, path: Path) -> Path | None:
         axes.bar(positions + offset + width, measured[index], width, color=color,
                  edgecolor=color, label=f"{prefix}measured")
     axes.set_xticks(positions, labels, fontsize="small")
-    axes.set_title(PLOTS["links"])
+    axes.set_title(PLOT_TITLES["links"])
     axes.set_xlabel("link (source → destination)")
     axes.set_ylabel("packet loss (%)")
     axes.grid(axis="y", alpha=0.3)

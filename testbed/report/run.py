@@ -36,6 +36,15 @@ PLOTS = "plots"
 INDEX = "index.html"
 
 
+# File name, title: the plots in the order the page shows them.
+PLOT_TITLES = {
+    "loss": "Training loss",
+    "drift": "Parameter drift over time",
+    "stragglers": "Straggler delay distribution",
+    "links": "Loss per link: measured vs configured",
+}
+
+
 class RunError(Exception):
     """A run directory that cannot be read; the message is one line, fit for a user. `code`:
     2 when the path is not a run directory at all, 1 when its contents are bad."""

@@ -21,6 +21,8 @@ from typing import Literal
 import numpy as np
 import torch
 
+from netem.extras import require
+
 SPLIT_SEED = 0
 HELD_OUT = 0.2
 SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
@@ -41,13 +43,8 @@ class Dataset:
 @functools.cache
 def digits() -> Dataset:
     """scikit-learn's digits: 64 pixel features, 10 classes, 20% held out."""
-    try:
-        from sklearn.datasets import load_digits
-    except ImportError as error:
-        raise RuntimeError(
-            "the digits models need scikit-learn (it ships the data): install scikit-learn"
-        ) from error
-    bunch = load_digits()
+    datasets = require("sklearn.datasets", "digits", "the digits data (models mlp and cnn)")
+    bunch = datasets.load_digits()
     x = torch.from_numpy(bunch.data / 16.0).float()
     y = torch.from_numpy(bunch.target).long()
     order = torch.from_numpy(np.random.default_rng(SPLIT_SEED).permutation(len(y)))
