@@ -15,9 +15,21 @@ app = typer.Typer(
 )
 
 
+def _version(given: bool) -> None:
+    if given:
+        from importlib.metadata import version
+
+        typer.echo(f"testbed {version('netem-testbed')}")
+        raise typer.Exit()
+
+
 @app.callback()
-def main() -> None:
-    """Network fault-injection testbed for distributed training."""
+def main(
+    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                          help="Print the version and exit.")] = False,
+) -> None:
+    """Network fault-injection testbed for distributed training. Exit codes: 0 done, 1 what
+    was run or checked failed, 2 bad input (naming the field), 130 Ctrl-C (docs/cli.md)."""
     import contextlib
     import faulthandler
     import io
@@ -63,14 +75,37 @@ def clean() -> None:
 
 
 @app.command()
-def doctor() -> None:
+def doctor(
+    json_output: Annotated[bool, typer.Option("--json", help="Print the capabilities as JSON "
+                                              "(docs/cli.md).")] = False,
+    require: Annotated[str | None, typer.Option(
+        help="Capabilities that must be here, comma-separated (e.g. netem,docker): exit 1 if "
+        "one is missing.", show_default=False)] = None,
+) -> None:
     """What this host can do (found by trying it) and what follows for shaping and placement."""
+    import json
+
     from rich.console import Console
     from rich.table import Table
 
     from netem.capabilities import CONSEQUENCES, detect
 
+    required = [name for name in (require or "").split(",") if name]
+    unknown = [name for name in required if name not in CONSEQUENCES]
+    if unknown:
+        typer.echo(f"--require: unknown {', '.join(unknown)}; allowed: "
+                   f"{', '.join(CONSEQUENCES)}", err=True)
+        raise typer.Exit(2)
     capabilities = detect()
+    missing = [name for name in required if not dict(capabilities.items())[name]]
+    if json_output:
+        typer.echo(json.dumps({
+            "capabilities": {name: {"available": bool(available),
+                                    "found": capabilities.details.get(name, ""),
+                                    "consequence": CONSEQUENCES[name][0 if available else 1]}
+                             for name, available in capabilities.items()},
+            "missing": missing}, indent=2))
+        raise typer.Exit(1 if missing else 0)
     table = Table(title="testbed doctor")
     for column in ("capability", "here", "found", "what follows"):
         table.add_column(column)
@@ -79,6 +114,9 @@ def doctor() -> None:
         found = capabilities.details.get(name, "")
         table.add_row(name, answer, found, CONSEQUENCES[name][0 if available else 1])
     Console().print(table)
+    if missing:
+        typer.echo(f"required but missing: {', '.join(missing)}", err=True)
+        raise typer.Exit(1)
 
 
 def _expect(name: str, what: str) -> typer.models.OptionInfo:
@@ -117,6 +155,8 @@ def probe(
     expect_corrupt: Annotated[str | None, _expect("corrupt", "corruption")] = None,
     expect_reorder: Annotated[str | None, _expect("reorder", "reordering")] = None,
     expect_rate: Annotated[str | None, _expect("rate", "rate, e.g. 10mbit")] = None,
+    json_output: Annotated[bool, typer.Option("--json", help="Print the result and the checks "
+                                              "as JSON (docs/cli.md).")] = False,
 ) -> None:
     """Measure a link with probe trains: loss and its bursts, one-way delay, jitter, reordering,
     duplication, corruption and rate, beside what was expected. Exit code 1 if a check fails."""
@@ -156,6 +196,16 @@ def probe(
         typer.echo(f"testbed probe: {exc}", err=True)
         raise typer.Exit(2) from None
     checks = compare(expected or LinkProfile(), result)
+    failed = expected is not None and any(check.passed is False for check in checks)
+    if json_output:
+        import dataclasses
+        import json
+
+        typer.echo(json.dumps({
+            "result": dataclasses.asdict(result),
+            "checks": [dataclasses.asdict(check) for check in checks] if expected else [],
+            "passed": not failed}, indent=2, default=str))
+        raise typer.Exit(1 if failed else 0)
     table = Table(title=f"probe {source} -> {destination} ({address})")
     columns = ("quantity", "configured", "measured", "tolerance", "result")
     for column in columns if expected is not None else ("quantity", "measured"):
@@ -188,7 +238,7 @@ def probe(
            f"{result.rate_offered / 1e6:.1f} Mbit/s offered" if result.rate is not None else "")
         + ("" if result.ended else "; no end-of-train marker arrived (receiver timed out)")
     )
-    if expected is not None and any(check.passed is False for check in checks):
+    if failed:
         raise typer.Exit(1)
 
 
@@ -527,25 +577,36 @@ def scenario_check(
     steps: Annotated[int | None, typer.Option(
         min=1, help="Check the scenario shortened to this many steps (as CI runs it).",
         show_default=False)] = None,
+    json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object per file "
+                                              "in a list (docs/cli.md).")] = False,
 ) -> None:
     """Validate scenario files: one summary line per good file, every problem of a bad one
-    (path, line, what is allowed). Exit code 1 if any file is bad."""
-    from pathlib import Path
+    (path, line, what is allowed). Exit code 2 if any file is bad (bad input)."""
+    import json
 
     from testbed.scenario import ScenarioError, load_scenario
 
-    bad = 0
+    results = []
     for name in files:
         try:
             scenario = load_scenario(Path(name), steps=steps)
         except ScenarioError as error:
-            bad += 1
-            typer.echo(str(error), err=True)
+            results.append({"file": name, "ok": False, "problems": [
+                {"path": p.path, "line": p.line, "message": p.message} for p in error.problems]})
+            if not json_output:
+                typer.echo(str(error), err=True)
         else:
-            typer.echo(f"ok {name}: {scenario.summary()}")
-    if bad:
+            results.append({"file": name, "ok": True, "name": scenario.name,
+                            "summary": scenario.summary()})
+            if not json_output:
+                typer.echo(f"ok {name}: {scenario.summary()}")
+    bad = sum(not result["ok"] for result in results)
+    if json_output:
+        typer.echo(json.dumps(results, indent=2))
+    elif bad:
         typer.echo(f"{bad} of {len(files)} scenario file(s) invalid", err=True)
-        raise typer.Exit(1)
+    if bad:
+        raise typer.Exit(2)
 
 
 @app.command()
@@ -562,6 +623,9 @@ def run(
         help="auto: run in a User-Mode Linux guest when the scenario needs netem and this "
         "kernel lacks it; uml: always; none: here (the fallback's clear error if it cannot).")
     ] = "auto",
+    json_output: Annotated[bool, typer.Option("--json", help="No live display: print the "
+                                              "run's summary.json at the end (docs/cli.md).")
+                           ] = False,
 ) -> None:
     """Run a scenario end to end: its network, its workers, its fault timeline; a live display,
     a summary table, and the run directory with the report. Exit 1 if the run failed."""
@@ -578,8 +642,8 @@ def run(
         typer.echo(str(error), err=True)
         raise typer.Exit(2) from None
     if sandbox == "uml" or (sandbox == "auto" and _needs_guest(loaded)):
-        raise typer.Exit(_run_in_guest(path, loaded.name, steps, out))
-    _run_here(path, steps, out)
+        raise typer.Exit(_run_in_guest(path, loaded.name, steps, out, json_output))
+    _run_here(path, steps, out, json_output)
 
 
 def _scenario_path(scenario: str):
@@ -724,7 +788,8 @@ def _needs_guest(scenario) -> bool:
     return False
 
 
-def _run_in_guest(path, name: str, steps: int | None, out: str | None) -> int:
+def _run_in_guest(path, name: str, steps: int | None, out: str | None,
+                  json_output: bool = False) -> int:
     """The whole run inside a UML guest with a netem kernel; the run directory is shared (the
     guest's root is this host's)."""
     import datetime
@@ -740,11 +805,13 @@ def _run_in_guest(path, name: str, steps: int | None, out: str | None) -> int:
         out = str(Path("runs") / f"{safe_name(name)}-{stamp}")
     kernel = _sandbox_call(sandbox.prepare)
     typer.echo(f"this kernel has no netem: running in a User-Mode Linux guest "
-               f"({sandbox.describe(kernel)})")
+               f"({sandbox.describe(kernel)})", err=json_output)
     argv = [sys.executable, "-m", "testbed.cli", "run", str(Path(path).resolve()), "--sandbox",
             "none", "--out", str(Path(out).resolve())]
     if steps is not None:
         argv += ["--steps", str(steps)]
+    if json_output:
+        argv.append("--json")
     env = dict(os.environ)
     if sys.stdout.isatty():  # the guest's output comes through a pipe: keep the live display
         env[FORCE_TERMINAL] = "1"
@@ -753,7 +820,9 @@ def _run_in_guest(path, name: str, steps: int | None, out: str | None) -> int:
     return result.returncode
 
 
-def _run_here(path, steps: int | None, out: str | None) -> None:
+def _run_here(path, steps: int | None, out: str | None, json_output: bool = False) -> None:
+    import contextlib
+    import json
     import os
 
     from rich.console import Console
@@ -762,19 +831,24 @@ def _run_here(path, steps: int | None, out: str | None) -> None:
     from netem.plan import UnsupportedByKernel
     from testbed.cluster.runner import ClusterRun
 
-    console = Console(force_terminal=True if os.environ.get(FORCE_TERMINAL) else None)
+    console = Console(force_terminal=True if os.environ.get(FORCE_TERMINAL) else None,
+                      stderr=json_output)  # with --json, stdout is the summary's alone
     cluster = ClusterRun(path, steps=steps, run_dir=out)
     console.print(f"run directory: {cluster.run_dir}")
     try:
-        with Live(_live_table(cluster), console=console, refresh_per_second=4) as live:
-            result = cluster.run(lambda workers: live.update(_live_table(cluster)))
+        with (contextlib.nullcontext(None) if json_output else
+              Live(_live_table(cluster), console=console, refresh_per_second=4)) as live:
+            result = cluster.run(lambda workers: live and live.update(_live_table(cluster)))
     except KeyboardInterrupt:
         console.print(f"[yellow]interrupted: everything the run made is removed; what it "
                       f"wrote is in {cluster.run_dir}")
         raise typer.Exit(130) from None
     except UnsupportedByKernel as error:
         console.print(f"[red]{error}")
-        raise typer.Exit(1) from None
+        raise typer.Exit(2) from None
+    if json_output:
+        typer.echo(json.dumps(result.summary, indent=2, default=str))
+        raise typer.Exit(0 if result.success else 1)
     console.print(_summary_table(cluster, result))
     console.print(f"run directory: {result.run_dir}")
     if result.html is not None:

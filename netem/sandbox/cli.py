@@ -32,7 +32,7 @@ _T = TypeVar("_T")
 
 def guarded(call: Callable[[], _T], *, prog: str = PROG) -> _T:
     """`call()`, with the sandbox's errors turned into a message and an exit code (124 on
-    timeout, like `timeout`; else 1) instead of a traceback, and SIGTERM (a CI timeout, `kill`)
+    timeout, like `timeout`; 2 for a bad argument; else 1) instead of a traceback, and SIGTERM (a CI timeout, `kill`)
     into an exit that unwinds like Ctrl-C, so that the guest and its files go too."""
     caller = os.getpid()
 
@@ -48,7 +48,10 @@ def guarded(call: Callable[[], _T], *, prog: str = PROG) -> _T:
     except sandbox.GuestTimeout as exc:
         _say(prog, str(exc))
         raise SystemExit(124) from None
-    except (sandbox.SandboxError, ValueError) as exc:  # ValueError: a bad argument, e.g. mem
+    except ValueError as exc:  # a bad argument, e.g. mem
+        _say(prog, str(exc))
+        raise SystemExit(2) from None
+    except sandbox.SandboxError as exc:
         _say(prog, str(exc))
         raise SystemExit(1) from None
     finally:

@@ -80,9 +80,15 @@ def load_scenario(source: str | Path, *, steps: int | None = None) -> Scenario:
         data = {"name": path.stem, **data}
     try:
         scenario = Scenario.model_validate(data, context=HUMAN)
-        return scenario if steps is None else scenario.with_steps(steps)
     except ValidationError as error:
         raise ScenarioError(label, _problems(error, data, root)) from None
+    if steps is None:
+        return scenario
+    try:
+        return scenario.with_steps(steps)
+    except ValueError as error:
+        raise ScenarioError(label, [Problem("steps", str(error).removeprefix("steps: "))]) \
+            from None
 
 
 # --- YAML ---------------------------------------------------------------------------------------

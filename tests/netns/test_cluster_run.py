@@ -61,6 +61,18 @@ def test_a_scenario_runs_end_to_end_and_leaves_no_network(tmp_path: Path):
     assert lab_namespaces(prefix) == [], "the run left namespaces behind"
 
 
+def test_run_json_prints_the_summary_alone(tmp_path: Path):
+    scenario = tmp_path / "run-e2e.yaml"
+    scenario.write_text(SCENARIO)
+    result = subprocess.run([sys.executable, "-m", "testbed.cli", "run", str(scenario),
+                             "--sandbox", "none", "--json", "-o", str(tmp_path / "run")],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout)
+    assert summary == json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["success"] is True and summary["steps"] == STEPS
+
+
 def test_cli_refuses_a_bad_scenario_naming_the_field(tmp_path: Path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("name: bad\nworkers: 3\ncollective: {kind: rign}\n")

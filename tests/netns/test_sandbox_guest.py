@@ -107,7 +107,7 @@ def test_the_standalone_entry_point_runs_a_guest():
 def test_cli_reports_a_bad_argument_and_restores_the_sigterm_handler():
     before = signal.getsignal(signal.SIGTERM)
     result = CliRunner().invoke(app, ["sandbox", "run", "--mem", "2X", "--", "true"])
-    assert result.exit_code == 1
+    assert result.exit_code == 2
     assert "mem: expected a size" in result.output
     assert signal.getsignal(signal.SIGTERM) is before
 

@@ -47,7 +47,7 @@ def test_usage_errors_exit_with_2(called, argv, capsys):
     [
         (GuestTimeout("the guest ran too long", output="", umid="u", workdir=Path("/w")), 124),
         (SandboxError("no kernel"), 1),
-        (ValueError("mem: expected a size"), 1),
+        (ValueError("mem: expected a size"), 2),
     ],
 )
 def test_guarded_reports_errors_with_an_exit_code(error, code, capsys):

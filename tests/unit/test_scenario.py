@@ -454,7 +454,7 @@ def test_cli_check_and_schema(tmp_path: Path):
     assert result.exit_code == 0, result.output
     assert result.output.startswith(f"ok {good}: quickstart: 4 workers")
     result = runner.invoke(app, ["scenario", "check", str(good), str(bad)])
-    assert result.exit_code == 1
+    assert result.exit_code == 2
     assert f"{bad}:2: topology.congestion: expected 'cubic' or 'bbr', got 'reno'" in (
         result.output)
     assert "1 of 2 scenario file(s) invalid" in result.output
