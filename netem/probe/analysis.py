@@ -17,8 +17,6 @@ from netem.probe.wire import FRAME_OVERHEAD, HEADER
 from netem.profile import LinkProfile
 
 # Tolerances of `compare`; docs/probes.md explains each.
-LOSS_TOLERANCE = 0.015  # absolute, at LOSS_REFERENCE_PROBES probes; scales with 1/sqrt(n)
-LOSS_REFERENCE_PROBES = 5000
 DELAY_TOLERANCE = 0.05  # relative
 JITTER_TOLERANCE = 0.20  # relative
 RATE_TOLERANCE = 0.10  # relative
@@ -27,7 +25,10 @@ TIMING_FLOOR = 0.0005  # absolute allowance for delay and jitter: the path's own
 # coarser and its system calls slower: 0.65 ms of spread was seen on a link without jitter
 # while the host was loaded.
 GUEST_TIMING_FLOOR = 0.002
-Z = 4.0  # binomial tolerances: a correct link fails a check with probability ~6e-5
+# Standard errors a count may be off (loss, reorder, duplicate, corrupt, bursts, drops): a
+# correct link fails one such check with probability 4e-8; a CI run makes about 150 of them, so
+# it fails by chance with probability below 1e-5.
+Z = 5.5
 MIN_BURSTS = 20  # fewer loss bursts than this say nothing about their mean length
 # With more of the arrivals than this in flight while the sender stalled, the host was too busy
 # for the rest to speak for the link's delay.
@@ -397,8 +398,8 @@ def compare(configured: LinkProfile, result: ProbeResult,
 
 
 def _loss_check(configured: LinkProfile, result: ProbeResult) -> Check:
-    """+-1.5 points at 5000 probes or more for independent losses (widened as 1/sqrt(n) below),
-    plus Z standard errors of the extra variance that bursts add."""
+    """Z standard errors of the lost count: binomial for independent losses, plus the extra
+    variance that bursts add."""
     if configured.loss_correlation > 0:
         return _skipped(
             "loss",
@@ -409,8 +410,8 @@ def _loss_check(configured: LinkProfile, result: ProbeResult) -> Check:
     n = max(result.sent, 1)
     header = configured.corrupt * (FRAME_OVERHEAD + HEADER.size) / result.frame_bytes
     expected = 1 - (1 - configured.mean_loss) * (1 - header)
-    independent = LOSS_TOLERANCE**2 * LOSS_REFERENCE_PROBES / min(n, LOSS_REFERENCE_PROBES)
-    tolerance = math.sqrt(independent + Z**2 * _burst_variance(configured) / n)
+    independent = max(expected * (1 - expected), 1 / n) / n
+    tolerance = Z * math.sqrt(independent + _burst_variance(configured) / n)
     return _check("loss", "ratio", expected, result.loss_ratio, tolerance)
 
 

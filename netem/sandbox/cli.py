@@ -32,8 +32,9 @@ _T = TypeVar("_T")
 
 def guarded(call: Callable[[], _T], *, prog: str = PROG) -> _T:
     """`call()`, with the sandbox's errors turned into a message and an exit code (124 on
-    timeout, like `timeout`; 2 for a bad argument; else 1) instead of a traceback, and SIGTERM (a CI timeout, `kill`)
-    into an exit that unwinds like Ctrl-C, so that the guest and its files go too."""
+    timeout, like `timeout`; 2 for a bad argument; else 1) instead of a traceback, and SIGTERM
+    (a CI timeout, `kill`) into an exit that unwinds like Ctrl-C, so that the guest and its
+    files go too."""
     caller = os.getpid()
 
     def on_sigterm(*_: object) -> None:

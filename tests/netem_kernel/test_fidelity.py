@@ -62,7 +62,7 @@ def assert_faithful(
 
 @pytest.mark.parametrize(("loss", "count"), [("1%", 10_000), ("10%", 10_000), ("30%", 20_000)])
 def test_random_loss(make_lab, loss, count):
-    # 30% needs more probes: its standard error at 5000 is 0.65 points, too near 1.5.
+    # Binomial tolerances (docs/probes.md): 1% over 10 000 probes is judged within ±0.55 points.
     lab = make_lab(2)
     profile = LinkProfile.parse(loss=loss)
     apply(lab.hosts[1].switch_port, profile, netns=lab.switch)
@@ -81,6 +81,16 @@ def test_delay_and_jitter(make_lab):
     # tenth is left out: a stall of the guest's process on a busy host delays a timer now and then.
     assert result.delay_min >= 0.015
     assert result.delay_percentiles[90] <= 0.025
+
+
+def test_a_link_with_the_wrong_delay_fails_the_check(make_lab):
+    """Shaped with 40 ms, judged against 20 ms: the delay check fails; against 40 ms it holds."""
+    lab = make_lab(2)
+    apply(lab.hosts[1].switch_port, LinkProfile.parse(delay="40ms"), netns=lab.switch)
+    result = measure(lab, LinkProfile.parse(delay="40ms"), count=2000)
+    wrong = {c.quantity: c for c in compare(LinkProfile.parse(delay="20ms"), result)}
+    assert wrong["delay mean"].passed is False
+    assert_faithful(LinkProfile.parse(delay="40ms"), result, "delay mean")
 
 
 # The lab's veths run without segmentation offloads (wire-sized frames), and the guest's one

@@ -307,8 +307,11 @@ def test_ef21m_with_arc_topk_keeps_the_accumulated_error_bounded():
 @pytest.mark.parametrize("kind", ["topk", "randk", "arc_topk", "int8", "int4", "powersgd"])
 @pytest.mark.parametrize("inner", ["ring", "lossy"])
 def test_every_compressor_estimates_the_mean(kind, inner):
-    """Repeated calls on the same inputs: with error feedback the estimate converges to the
-    true mean; quantizers are close at once; the dense tail is exact; ring and lossy."""
+    """Repeated calls on the same inputs: with EF21M the sparsifiers' estimate converges to the
+    true mean; quantizers are close at once; PowerSGD's classic error feedback makes the mean of
+    its results over the calls converge (a single call sends only the top of the accumulated
+    error); the dense tail is exact; ring and lossy. Inputs and seeds are fixed: the numbers are
+    the same every run."""
     world, numel = 3, 4000
     params = {"density": 0.05} if kind in ("topk", "randk", "arc_topk") else {}
     if kind == "arc_topk":
@@ -321,19 +324,27 @@ def test_every_compressor_estimates_the_mean(kind, inner):
         expected = torch.stack(inputs).mean(0)
         error = math.inf
         # Rand-K reaches a coordinate at random: (1 - 0.05)^120 of them are still unsent.
-        calls = {"topk": 40, "arc_topk": 40, "randk": 120}.get(kind, 3)
+        calls = {"topk": 40, "arc_topk": 40, "randk": 120, "powersgd": 120}.get(kind, 3)
+        totals = torch.zeros(world, numel)
+        errors = []
         for step in range(calls):
             results = run_concurrently(*(lambda r=r, s=step, x=inputs: workers[r].allreduce(x[r], s)
                                          for r in range(world)))
-            error = max(float(torch.linalg.vector_norm(r - expected)
-                              / torch.linalg.vector_norm(expected)) for r, _ in results)
-        bound = {"int8": 0.02, "int4": 0.3, "powersgd": 0.999, "randk": 0.1}.get(kind, 0.05)
+            totals += torch.stack([result for result, _ in results])
+            estimates = (totals / (step + 1) if kind == "powersgd"
+                         else torch.stack([result for result, _ in results]))
+            error = max(float(torch.linalg.vector_norm(e - expected)
+                              / torch.linalg.vector_norm(expected)) for e in estimates)
+            errors.append(error)
+        # PowerSGD's mean was 0.86 off after one call, 0.44 after 20 and 0.10 after 120.
+        bound = {"int8": 0.02, "int4": 0.3, "powersgd": 0.15, "randk": 0.1}.get(kind, 0.05)
         assert error < bound, error
+        if kind == "powersgd":
+            assert errors[-1] < errors[19] / 2 < errors[0] / 2, errors
         for result, stats in results:
             torch.testing.assert_close(result[-1], expected[-1])
             ratio = stats.extra["compression_ratio"]
             assert 0 < ratio < (0.6 if kind != "int8" else 0.3), ratio
-            assert stats.extra["compression_error"] >= 0
         if kind == "topk":
             # The all-gather carries k indices and k values per worker: exact sum of c_i.
             assert results[0][1].extra["compressed_bytes"] == 8 * count_of(0.05, numel - 1) + 4

@@ -226,16 +226,28 @@ def test_a_perfect_link_passes_against_a_perfect_profile():
     assert by_name(checks)["loss burst mean"].passed is None
 
 
-@pytest.mark.parametrize(("measured", "passed"), [(0.114, True), (0.086, True), (0.116, False)])
-def test_loss_within_one_and_a_half_points(measured, passed):
+# 10% loss over 10 000 probes: the standard error is 0.3 points, the tolerance 5.5 of them.
+@pytest.mark.parametrize(("measured", "passed"), [(0.116, True), (0.084, True), (0.117, False),
+                                                  (0.2, False), (0.05, False)])
+def test_loss_within_its_binomial_tolerance(measured, passed):
     check = by_name(compare(LinkProfile.parse(loss="10%"), perfect(loss_ratio=measured)))["loss"]
-    assert check.tolerance == pytest.approx(0.015)
+    assert check.tolerance == pytest.approx(5.5 * math.sqrt(0.1 * 0.9 / 10_000))
     assert check.passed is passed
 
 
-def test_loss_tolerance_widens_below_5000_probes():
+def test_loss_tolerance_widens_as_the_train_shortens():
     check = by_name(compare(LinkProfile.parse(loss="10%"), perfect(1250, loss_ratio=0.1)))["loss"]
-    assert check.tolerance == pytest.approx(0.03)
+    assert check.tolerance == pytest.approx(5.5 * math.sqrt(0.1 * 0.9 / 1250))
+
+
+def test_a_link_with_twice_the_loss_or_the_wrong_delay_fails():
+    """What a probe must catch: a link shaped with twice the loss asked for, or another delay."""
+    assert by_name(compare(LinkProfile.parse(loss="5%"),
+                           perfect(5000, loss_ratio=0.1)))["loss"].passed is False
+    assert by_name(compare(LinkProfile.parse(loss="1%"),
+                           perfect(5000, loss_ratio=0.02)))["loss"].passed is False
+    late = by_name(compare(LinkProfile.parse(delay="20ms"), perfect(delay_mean=0.04)))
+    assert late["delay mean"].passed is False
 
 
 @pytest.mark.parametrize(("mean", "passed"), [(0.0209, True), (0.0191, True), (0.0211, False)])
@@ -290,7 +302,7 @@ def test_binomial_tolerances_scale_with_the_number_of_probes():
     profile = LinkProfile.parse(duplicate="5%")
     small = by_name(compare(profile, perfect(1000, duplicate_ratio=0.05)))["duplicate"]
     large = by_name(compare(profile, perfect(100_000, duplicate_ratio=0.05)))["duplicate"]
-    assert small.tolerance == pytest.approx(4 * math.sqrt(0.05 * 0.95 / 1000))
+    assert small.tolerance == pytest.approx(5.5 * math.sqrt(0.05 * 0.95 / 1000))
     assert large.tolerance == pytest.approx(small.tolerance / 10)
 
 
@@ -369,9 +381,11 @@ def test_bursty_loss_widens_the_loss_tolerance_by_its_extra_variance():
     # 2 pi_good pi_bad rho / (1 - rho).
     bad = 0.02 / 0.27
     extra = 2 * bad * (1 - bad) * 0.73 / 0.27
-    assert check.tolerance == pytest.approx(math.sqrt(0.015**2 + 16 * extra / 30_000))
+    mean = 0.074  # the chain's stationary loss
+    assert check.tolerance == pytest.approx(5.5 * math.sqrt((mean * (1 - mean) + extra) / 30_000),
+                                            rel=0.01)
     independent = by_name(compare(LinkProfile.parse(loss="7%"), perfect(30_000)))["loss"]
-    assert independent.tolerance == pytest.approx(0.015)
+    assert independent.tolerance == pytest.approx(5.5 * math.sqrt(0.07 * 0.93 / 30_000))
 
 
 def test_a_probe_train_that_loads_the_rate_is_not_judged_on_loss_or_delay():

@@ -188,10 +188,21 @@ def test_render_writes_valid_pngs_and_a_page_with_every_plot_and_figure(run_dir:
         assert data.startswith(PNG) and len(data) > 10_000, name
         assert f'src="plots/{name}.png"' in page
     summary = json.loads((run_dir / "summary.json").read_text())
-    for key, style in (("final_loss", ".4f"), ("mean_step_seconds", ".4f"),
-                       ("final_eval_perplexity", ".3f"), ("datagrams_lost", "int")):
-        assert f"<td>{format_value(summary[key], style)}</td>" in page, key
+    for key, cell in (("final_loss", f"{summary['final_loss']:.4f}"),
+                      ("mean_step_seconds", f"{summary['mean_step_seconds']:.4f}"),
+                      ("final_eval_perplexity", f"{summary['final_eval_perplexity']:.3f}"),
+                      ("datagrams_lost", f"{round(summary['datagrams_lost']):,}")):
+        assert f"<td>{cell}</td>" in page, key
     assert "worker 2" in page and "0→1" in page and "kill: 1" in page
+
+
+def test_figures_are_formatted_for_people():
+    assert format_value(None, ".4f") == "–"
+    assert format_value(1234.6, "int") == "1,235"
+    assert format_value(True, "bool") == "yes" and format_value(False, "bool") == "no"
+    assert format_value(999, "bytes") == "999 B"
+    assert format_value(1_500_000, "bytes") == "1.5 MB"
+    assert format_value(0.123456, ".3f") == "0.123"
 
 
 def test_rendering_elsewhere_leaves_the_run_directory_alone(run_dir: Path, tmp_path: Path):
