@@ -43,11 +43,12 @@ fi
 
 # The wheels of what the worker installs, from this machine's pip configuration.
 cp /usr/local/share/ca-certificates/*.crt compose/ca/ 2>/dev/null || true
-if [[ ! -f compose/wheels/.complete ]]; then
+wanted=$(sha256sum pyproject.toml | cut -d' ' -f1)  # the wheels of these dependencies
+if [[ "$(cat compose/wheels/.complete 2>/dev/null)" != "$wanted" ]]; then
     echo "compose-images: collecting wheels"
-    "$VENV/bin/pip" download -q -d compose/wheels setuptools wheel torch==2.13.0 .
+    "$VENV/bin/pip" download -q -d compose/wheels setuptools wheel torch==2.13.0 '.[all]'
     rm -f compose/wheels/netem_testbed-*  # the project is copied into the image itself
-    touch compose/wheels/.complete
+    echo "$wanted" >compose/wheels/.complete
 fi
 
 echo "compose-images: building testbed-worker and testbed-prometheus"
