@@ -25,11 +25,12 @@ if TYPE_CHECKING:
     from testbed.transport import DatagramEndpoint, StreamMesh
 
 
-@dataclass
+@dataclass(repr=False)
 class AllReduceStats:
     """What one all-reduce did. `coverage` is the fraction of (peer, element) contributions that
     made it into the result (1.0 for exact collectives); `extra` holds collective-specific
-    figures with Prometheus-friendly names (e.g. `deadline_seconds`, `late_chunks`)."""
+    figures with Prometheus-friendly names (e.g. `deadline_seconds`, `late_chunks`). It prints
+    as one short line (a collective's own fields, tensors among them, stay out of it)."""
 
     collective: str
     step: int
@@ -39,6 +40,13 @@ class AllReduceStats:
     coverage: float = 1.0
     peers_missing: tuple[int, ...] = ()
     extra: dict[str, float] = field(default_factory=dict)
+
+    def __repr__(self) -> str:
+        missing = f", peers missing {list(self.peers_missing)}" if self.peers_missing else ""
+        return (f"{type(self).__name__}({self.collective} step {self.step}: "
+                f"{self.seconds * 1e3:.1f} ms, coverage {self.coverage:.4g}, "
+                f"{self.bytes_sent:,} B sent, {self.bytes_received:,} B received{missing}"
+                f"{f', {len(self.extra)} more figures' if self.extra else ''})")
 
 
 @dataclass(frozen=True)

@@ -73,7 +73,7 @@ class SeededLoss:
         return np.random.default_rng(seed).random(chunks) < self.rate
 
 
-@dataclass
+@dataclass(repr=False)
 class LossyStats(AllReduceStats):
     """AllReduceStats with what the datagrams did in this call. `coverage` counts, per element
     of the result, the owner's contribution count where its broadcast came, and where it was

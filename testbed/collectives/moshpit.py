@@ -89,7 +89,7 @@ class RoundStats:
     coverage: float
 
 
-@dataclass
+@dataclass(repr=False)
 class MoshpitStats(AllReduceStats):
     """AllReduceStats with the rounds. `coverage` is the fraction of the contributions that the
     same rounds reach with no failures (1.0: the exact mean after d rounds); it is exact when

@@ -155,3 +155,74 @@ def test_gloo_equals_ring_and_the_true_mean():
         assert name == "gloo"
         torch.testing.assert_close(torch.from_numpy(by_gloo), expected)
         torch.testing.assert_close(torch.from_numpy(by_ring), torch.from_numpy(by_gloo))
+
+
+def overlap_worker(rank: int, ports: list[int], results) -> None:
+    """DDP with several buckets over the ring, each call held until DDP has handed the hook
+    the next bucket: a hook that waited for its call before returning would never get the next
+    one (the gate's wait runs out and the worker fails)."""
+    import threading
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from testbed.collectives.hook import comm_hook
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ports[0]}", rank=rank,
+                            world_size=WORLD)
+    ring = create("ring", rank, WORLD, addresses=[("127.0.0.1", p) for p in ports[1:]],
+                  timeout=30)
+    handed: list[threading.Event] = [threading.Event() for _ in range(64)]
+
+    class Gated:
+        """The ring, each call k waiting until the hook was handed bucket k + 1 (the last call
+        of a backward pass does not wait)."""
+
+        name, rank, world = "ring", ring.rank, ring.world
+
+        def allreduce(self, tensor, step):
+            if step + 1 < buckets and not handed[step + 1].wait(20):
+                raise TimeoutError(f"bucket {step + 1} never came while call {step} waited")
+            return ring.allreduce(tensor, step)
+
+        def close(self):
+            ring.close()
+
+    try:
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
+        model = DistributedDataParallel(net, bucket_cap_mb=0.005)
+        buckets = len(list(net.parameters()))  # one bucket a parameter at this cap
+        inner = comm_hook(Gated())
+
+        def hook(state, bucket):
+            future = inner(state, bucket)
+            handed[inner.calls.number - 1].set()
+            return future
+
+        model.register_comm_hook(state=None, hook=hook)
+        data = torch.randn(16, 32, generator=torch.Generator().manual_seed(rank))
+        model(data).pow(2).mean().backward()
+        results.put((rank, [p.grad.numpy().copy() for p in model.parameters()]))
+    finally:
+        ring.close()
+        dist.destroy_process_group()
+
+
+def test_the_hook_overlaps_buckets_and_gives_plain_ddps_gradients(plain):
+    """The asynchronous hook: DDP gets the next bucket's hook call while the previous bucket's
+    all-reduce is still running, and the gradients are plain DDP's."""
+    collected = dict(spawn(overlap_worker, free_ports(1) + free_ports(WORLD)))
+    for rank in range(WORLD):
+        for ours, theirs in zip(collected[rank], plain[rank], strict=True):
+            torch.testing.assert_close(torch.from_numpy(ours), theirs, rtol=1e-5, atol=1e-7)
+
+
+def test_stats_print_as_one_short_line():
+    from testbed.collectives.lossy import LossyStats
+
+    stats = LossyStats("lossy", 3, seconds=0.0123, bytes_sent=123_456, coverage=0.98,
+                       peers_missing=(2,), chunk_coverage=torch.ones(100_000))
+    assert repr(stats) == ("LossyStats(lossy step 3: 12.3 ms, coverage 0.98, 123,456 B sent, "
+                           "0 B received, peers missing [2])")
