@@ -248,29 +248,39 @@ class LinkCapture:
         if self.manifest is not None or self._started is None:
             return self.manifest
         stats: dict[tuple[str, str], TapStats] = {}
-        for side in ("sent", "received"):
-            taps = [(link, link.taps[side]) for link in self.links if side in link.taps]
+
+        def stop(side: str) -> None:
+            taps = [(link, link.taps[side]) for link in self.links
+                    if side in link.taps and (link.name, side) not in stats]
             for _, tap in taps:
                 tap._stop.set()  # every tap of this side ends at once
             for link, tap in taps:
                 stats[link.name, side] = tap.stop()
-            if side == "sent" and settle > 0 and taps:
+
+        try:
+            stop("sent")
+            if settle > 0:
                 time.sleep(settle)
+        finally:  # even when interrupted (a second Ctrl-C): every thread ends, every file closes
+            stop("sent")
+            stop("received")
+            self.manifest = self._write_manifest(stats)
+        return self.manifest
+
+    def _write_manifest(self, stats: dict[tuple[str, str], TapStats]) -> dict[str, Any]:
         links = []
         for link in self.links:
             entry: dict[str, Any] = {"link": link.name, "src": link.src, "dst": link.dst}
             for side in ("sent", "received"):
                 tap_stats = stats.get((link.name, side))
                 entry[side] = asdict(tap_stats) if tap_stats is not None else None
-            links.append(entry)
-        self.manifest = {
-            "format": 1, "snap": self.snap, "max_bytes": self.max_bytes,
-            "started": self._started, "stopped": time.time(), "origin": self.origin,
-            "links": [link for link in links if link["sent"] and link["received"]],
-        }
-        path = self.directory / MANIFEST
-        path.write_text(json.dumps(self.manifest, indent=2) + "\n")
-        return self.manifest
+            if entry["sent"] and entry["received"]:
+                links.append(entry)
+        manifest = {"format": 1, "snap": self.snap, "max_bytes": self.max_bytes,
+                    "started": self._started, "stopped": time.time(), "origin": self.origin,
+                    "links": links}
+        (self.directory / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        return manifest
 
     def alive(self) -> list[str]:
         """The threads still running (none once closed)."""
