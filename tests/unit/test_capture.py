@@ -260,3 +260,48 @@ def test_sizes_parse_with_units():
     assert format_size(20_000_000) == "20MB" and format_size(2**20) == "1MiB"
     with pytest.raises(ValueError, match="a size such as"):
         parse_size("lots")
+
+
+def test_the_capture_command_summarises_a_run_and_names_bad_input(tmp_path: Path):
+    from typer.testing import CliRunner
+
+    from testbed.cli import app
+
+    capture = tmp_path / "run" / "capture"
+    capture.mkdir(parents=True)
+    write(capture / "0-1.sent.pcap", [udp(i) for i in range(10)])
+    write(capture / "0-1.received.pcap", [udp(i) for i in range(10) if i != 4])
+    entry = {"file": "", "packets": 0, "truncated": False, "kernel_drops": 0}
+    (capture / "capture.json").write_text(json.dumps({"snap": 65535, "max_bytes": 10**6,
+        "links": [{"link": "0->1", "src": A, "dst": B,
+                   "sent": {**entry, "file": "0-1.sent.pcap"},
+                   "received": {**entry, "file": "0-1.received.pcap"}}]}))
+    runner = CliRunner()
+    shown = runner.invoke(app, ["capture", str(tmp_path / "run")])
+    assert shown.exit_code == 0, shown.output
+    assert "udp 4000>5000" in shown.output and "0->1" in shown.output
+    as_json = runner.invoke(app, ["capture", str(capture), "--json", "--link", "0->1"])
+    assert json.loads(as_json.output)["links"][0]["totals"]["lost"] == 1
+    written = runner.invoke(app, ["capture", str(tmp_path / "run"), "--write"])
+    assert written.exit_code == 0 and (capture / "flows.json").exists()
+
+    missing = runner.invoke(app, ["capture", str(tmp_path)])
+    assert missing.exit_code == 2 and "RUN_DIR" in missing.output
+    unknown = runner.invoke(app, ["capture", str(tmp_path / "run"), "--link", "1->0"])
+    assert unknown.exit_code == 2
+    assert "--link: 1->0 not captured; captured: 0->1" in unknown.output
+    (capture / "0-1.received.pcap").write_bytes(b"not a pcap at all, no")
+    broken = runner.invoke(app, ["capture", str(tmp_path / "run")])
+    assert broken.exit_code == 1 and "0-1.received.pcap" in broken.output
+
+
+def test_run_refuses_a_bad_capture_option_naming_it(tmp_path: Path):
+    from typer.testing import CliRunner
+
+    from testbed.cli import app
+
+    path = tmp_path / "s.yaml"
+    path.write_text("name: s\nworkers: 2\n")
+    result = CliRunner().invoke(app, ["run", str(path), "--sandbox", "none", "--capture", "0->5"])
+    assert result.exit_code == 2
+    assert "--capture 0->5 (to): no worker 5: workers are 0..1" in result.output
