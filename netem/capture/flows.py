@@ -150,20 +150,19 @@ def _ids(*matrices: np.ndarray) -> list[np.ndarray]:
 def _flow_ids(*headers: Headers) -> tuple[np.ndarray, list[np.ndarray]]:
     """The flows (rows of protocol, source, source port, destination, destination port) of
     several frame sets, and each frame's flow id."""
-    columns = [np.concatenate([getattr(h, name) for h in headers])
-               for name in ("protocol", "src", "sport", "dst", "dport")]
-    code = np.zeros(len(columns[0]), np.int64)
-    for column in columns:  # factorised column by column: one integer per distinct tuple
-        values, index = np.unique(column, return_inverse=True)
-        code = code * len(values) + index.ravel()
-        _, code = np.unique(code, return_inverse=True)
-        code = code.ravel().astype(np.int64)
-    flows = int(code.max()) + 1 if len(code) else 0
-    table = np.zeros((flows, 5), np.int64)
-    for k, column in enumerate(columns):
-        table[code, k] = column
+    def column(name: str) -> np.ndarray:
+        return np.concatenate([getattr(h, name) for h in headers]).astype(np.int64)
+
+    protocol, src, sport, dst, dport = map(column, ("protocol", "src", "sport", "dst", "dport"))
+    _, hosts = np.unique(src << 32 | dst, return_inverse=True)  # (an address pair, usually one)
+    code = hosts.ravel().astype(np.int64) << 40 | protocol << 32 | sport << 16 | dport
+    _, ids = np.unique(code, return_inverse=True)
+    ids = ids.ravel().astype(np.int64)
+    table = np.zeros((int(ids.max()) + 1 if len(ids) else 0, 5), np.int64)
+    for k, values in enumerate((protocol, src, sport, dst, dport)):
+        table[ids, k] = values
     cuts = np.cumsum([len(h.protocol) for h in headers])[:-1]
-    return table, np.split(code, cuts)
+    return table, np.split(ids, cuts)
 
 
 def _occurrence(keys: np.ndarray) -> np.ndarray:
