@@ -36,9 +36,23 @@ _RATE_UNITS = {
     "mbps": 8 * 10**6,
     "gbps": 8 * 10**9,
 }
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "m": 10**6,
+    "mb": 10**6,
+    "g": 10**9,
+    "gb": 10**9,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+}
 TIME_HELP = "a duration such as '10ms', '1.5s', '250us' or a number of seconds"
 FRACTION_HELP = "a percentage such as '5%' or a fraction between 0 and 1"
 RATE_HELP = "a rate such as '100mbit', '1gbit', '500kbit' (bits/s) or '10mbps' (bytes/s)"
+SIZE_HELP = "a size such as '20MB', '512kB', '1MiB' or a number of bytes"
 
 
 def _split(text: str, units: dict, help_text: str) -> tuple[float, str]:
@@ -115,6 +129,33 @@ def parse_rate(value: object, *, unit_required: bool = False) -> int:
 
 def _bare(value: object) -> str:
     return str(value).strip()
+
+
+def parse_size(value: object, *, unit_required: bool = False) -> int:
+    """Bytes from '20MB', '512kB' (powers of 1000), '1MiB' (powers of 1024) or a number (with
+    `unit_required`, only from a string with its unit, or 0)."""
+    number = _number(value, SIZE_HELP)
+    unit = ""
+    if number is None:
+        magnitude, unit = _split(str(value), _SIZE_UNITS, SIZE_HELP)
+        number = magnitude * _SIZE_UNITS[unit]
+    if unit_required and not unit and number != 0:
+        raise ValueError(f"{value!r} has no unit: write '{_bare(value)}MB' or "
+                         f"'{_bare(value)}kB' (a bare number would be bytes)")
+    if number < 0:
+        raise ValueError(f"expected {SIZE_HELP} (not negative), got {value!r}")
+    return round(number)
+
+
+def format_size(size: int) -> str:
+    """'20MB', '1.5kB', '300B' (powers of 1000), or '1MiB', '64KiB' for whole powers of 1024."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if size >= 1 << shift and size % (1 << shift) == 0 and size % 1000:
+            return f"{size >> shift}{unit}"
+    for unit, digits in (("GB", 9), ("MB", 6), ("kB", 3)):
+        if size >= 10**digits:
+            return f"{_trim(size / 10**digits, digits)}{unit}"
+    return f"{size}B"
 
 
 def format_time(seconds: float) -> str:

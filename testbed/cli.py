@@ -623,6 +623,11 @@ def run(
         help="auto: run in a User-Mode Linux guest when the scenario needs netem and this "
         "kernel lacks it; uml: always; none: here (the fallback's clear error if it cannot).")
     ] = "auto",
+    capture: Annotated[list[str] | None, typer.Option(
+        "--capture", help="Capture this link too ('0->1', '0<->2', 'east->west', 'all'): what "
+        "the sender put on the wire and what reached the receiver, as pcap files in "
+        "RUN_DIR/capture, and a per-flow summary (docs/capture.md). Repeatable.",
+        show_default=False)] = None,
     json_output: Annotated[bool, typer.Option("--json", help="No live display: print the "
                                               "run's summary.json at the end (docs/cli.md).")
                            ] = False,
@@ -641,9 +646,77 @@ def run(
     except ScenarioError as error:
         typer.echo(str(error), err=True)
         raise typer.Exit(2) from None
+    try:
+        loaded = loaded.with_capture(capture or [])
+    except ValueError as error:
+        typer.echo(f"--capture {error}", err=True)
+        raise typer.Exit(2) from None
     if sandbox == "uml" or (sandbox == "auto" and _needs_guest(loaded)):
-        raise typer.Exit(_run_in_guest(path, loaded.name, steps, out, json_output))
-    _run_here(path, steps, out, json_output)
+        raise typer.Exit(_run_in_guest(path, loaded.name, steps, out, capture or [],
+                                       json_output))
+    _run_here(path, steps, out, capture or [], json_output)
+
+
+@app.command("capture")
+def capture_command(
+    run_dir: Annotated[Path, typer.Argument(
+        metavar="RUN_DIR", help="A run directory whose scenario captured links (or its "
+        "capture/ directory).", show_default=False)],
+    link: Annotated[list[str] | None, typer.Option(
+        "--link", help="Only this captured link, e.g. 0->1. Repeatable.",
+        show_default=False)] = None,
+    as_json: Annotated[bool, typer.Option(
+        "--json", help="Print the whole analysis (what capture/flows.json holds).")] = False,
+    write: Annotated[bool, typer.Option(
+        "--write", help="Write capture/flows.json again from the pcap files.")] = False,
+    rows: Annotated[int, typer.Option(
+        min=1, help="Flows shown per link in the table (the largest first).")] = 10,
+) -> None:
+    """What each captured link did to each flow, from a run's pcap files: packets and bytes
+    sent and received, lost, retransmitted, reordered, duplicated, delay (docs/capture.md).
+    Exit 2 if RUN_DIR holds no capture or --link names a link not captured, 1 if a file
+    cannot be read."""
+    import json
+
+    from rich.console import Console
+
+    from netem.capture import MANIFEST, PcapError, analyse, load_manifest, write_flows
+
+    directory = run_dir if (run_dir / MANIFEST).exists() else run_dir / "capture"
+    try:
+        manifest = load_manifest(directory)
+    except FileNotFoundError:
+        typer.echo(f"RUN_DIR: {run_dir} holds no capture (no {directory / MANIFEST}); capture "
+                   "links with the scenario's capture section or testbed run --capture", err=True)
+        raise typer.Exit(2) from None
+    except ValueError as error:
+        typer.echo(f"RUN_DIR: {error}", err=True)
+        raise typer.Exit(2) from None
+    captured = [entry["link"] for entry in manifest["links"]]
+    unknown = [name for name in link or [] if name not in captured]
+    if unknown:
+        typer.echo(f"--link: {', '.join(unknown)} not captured; captured: "
+                   f"{', '.join(captured) or 'none'}", err=True)
+        raise typer.Exit(2)
+    if write and link:
+        typer.echo("--write: writes every link; leave out --link", err=True)
+        raise typer.Exit(2)
+    try:
+        flows = analyse(directory, links=link or None)
+        if write:
+            write_flows(directory, flows)
+    except (PcapError, OSError) as error:
+        typer.echo(f"error: {error}", err=True)
+        raise typer.Exit(1) from None
+    if as_json:
+        typer.echo(json.dumps(flows, indent=2))
+        return
+    console = Console()
+    console.print(_flows_table(flows, rows=rows))
+    for note in _capture_notes(flows):
+        console.print(note)
+    console.print(f"pcap files: {directory} (open them in Wireshark); analysed in "
+                  f"{flows['seconds']:.2f} s")
 
 
 def _scenario_path(scenario: str):
@@ -687,6 +760,9 @@ def compose(
     except (ScenarioError, ComposeError, ValueError) as error:
         typer.echo(f"--subnet: {error}" if "network" in str(error) else str(error), err=True)
         raise typer.Exit(2) from None
+    if loaded.capture.links:
+        typer.echo("capture: not under Compose (testbed run captures links; in a container, "
+                   "tcpdump on eth0 does)", err=True)
     typer.echo(f"compose project: {written}")
     typer.echo(f"run it:          docker compose -f {written} up")
     typer.echo("then open        http://127.0.0.1:3000 (Grafana), http://127.0.0.1:9090 "
@@ -789,7 +865,7 @@ def _needs_guest(scenario) -> bool:
 
 
 def _run_in_guest(path, name: str, steps: int | None, out: str | None,
-                  json_output: bool = False) -> int:
+                  capture: list[str], json_output: bool = False) -> int:
     """The whole run inside a UML guest with a netem kernel; the run directory is shared (the
     guest's root is this host's)."""
     import datetime
@@ -810,6 +886,8 @@ def _run_in_guest(path, name: str, steps: int | None, out: str | None,
             "none", "--out", str(Path(out).resolve())]
     if steps is not None:
         argv += ["--steps", str(steps)]
+    for link in capture:
+        argv += ["--capture", link]
     if json_output:
         argv.append("--json")
     env = dict(os.environ)
@@ -820,7 +898,8 @@ def _run_in_guest(path, name: str, steps: int | None, out: str | None,
     return result.returncode
 
 
-def _run_here(path, steps: int | None, out: str | None, json_output: bool = False) -> None:
+def _run_here(path, steps: int | None, out: str | None, capture: list[str],
+              json_output: bool = False) -> None:
     import contextlib
     import json
     import os
@@ -833,7 +912,7 @@ def _run_here(path, steps: int | None, out: str | None, json_output: bool = Fals
 
     console = Console(force_terminal=True if os.environ.get(FORCE_TERMINAL) else None,
                       stderr=json_output)  # with --json, stdout is the summary's alone
-    cluster = ClusterRun(path, steps=steps, run_dir=out)
+    cluster = ClusterRun(path, steps=steps, run_dir=out, capture=capture)
     console.print(f"run directory: {cluster.run_dir}")
     try:
         with (contextlib.nullcontext(None) if json_output else
@@ -850,6 +929,12 @@ def _run_here(path, steps: int | None, out: str | None, json_output: bool = Fals
         typer.echo(json.dumps(result.summary, indent=2, default=str))
         raise typer.Exit(0 if result.success else 1)
     console.print(_summary_table(cluster, result))
+    if cluster.capture is not None and cluster.capture.flows is not None:
+        console.print(_flows_table(cluster.capture.flows, rows=5))
+        for note in _capture_notes(cluster.capture.flows):
+            console.print(note)
+        console.print(f"capture: {cluster.capture.directory} (pcap files for Wireshark; "
+                      f"testbed capture {result.run_dir} shows every flow)")
     console.print(f"run directory: {result.run_dir}")
     if result.html is not None:
         console.print(f"report: {result.html}")
@@ -925,6 +1010,51 @@ def _summary_table(cluster, result):
         summary.add_row(str(w.rank), w.status, str(w.step + 1), _number(w.loss),
                         evaluation or "-")
     return summary
+
+
+def _flows_table(flows: dict, *, rows: int):
+    """Per captured link, its largest flows: what was sent and received, lost, retransmitted,
+    reordered, duplicated, and the median delay."""
+    from rich.table import Table
+
+    table = Table(title="capture: what crossed each link, per flow", caption="packets: recv "
+                  "received, retx retransmitted, reord reordered, dup duplicated; p50: the "
+                  "median one-way delay")
+    for column in ("link", "flow", "sent", "recv", "lost", "retx", "reord", "dup", "p50 ms"):
+        table.add_column(column, no_wrap=column == "flow")
+    for link in flows["links"]:
+        shown = link["flows"][:rows]
+        for flow in shown:
+            ends = (f"{flow['protocol']} {flow['sport']}>{flow['dport']}"
+                    if flow["protocol"] != "other" else "other")
+            delay = flow["delay_seconds"]
+            table.add_row(link["link"], ends, f"{flow['sent_packets']}",
+                          f"{flow['received_packets']}", f"{flow['lost']}",
+                          f"{flow['retransmitted']}", f"{flow['reordered']}",
+                          f"{flow['duplicated']}",
+                          "-" if delay is None else f"{delay['median'] * 1e3:.3g}")
+        if not shown:
+            table.add_row(link["link"], "(nothing crossed)", *["0"] * 6, "-")
+        hidden = len(link["flows"]) - len(shown)
+        if hidden:
+            table.add_row(link["link"], f"... {hidden} more flow(s)", *[""] * 7)
+    return table
+
+
+def _capture_notes(flows: dict) -> list[str]:
+    """What limits the counts: files cut at their size limit, frames the capture dropped."""
+    notes = []
+    for link in flows["links"]:
+        cut = [side for side, truncated in link["truncated"].items() if truncated]
+        if cut:
+            notes.append(f"[yellow]{link['link']}: {' and '.join(cut)} file cut at "
+                         f"{flows['max_bytes']} bytes: counted as far as both files go")
+        dropped = {side: n for side, n in link["kernel_drops"].items() if n}
+        if dropped:
+            notes.append(f"[yellow]{link['link']}: the capture missed frames ("
+                         + ", ".join(f"{side} {n}" for side, n in dropped.items())
+                         + "): the host could not keep up; lost counts are too high by as many")
+    return notes
 
 
 def _command_tails(cluster, result) -> dict[int, list[str]]:

@@ -5,7 +5,8 @@ shaped), one worker process per namespace (`python -m testbed.cluster.worker SPE
 fault timeline driven by time and by the slowest worker's step, and the run directory
 (`testbed.report`): the scenario, every event, the summary, the plots. Each worker reports a
 JSON line per step on its stdout; the runner turns them into `WorkerState`s for a live display.
-Everything the run made goes on success, failure and Ctrl-C.
+Links the scenario captures are recorded from before the workers start until they ended
+(`testbed.cluster.capture`). Everything the run made goes on success, failure and Ctrl-C.
 """
 
 from __future__ import annotations
@@ -24,12 +25,13 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from netem.namespace import inside
+from testbed.cluster.capture import RunCapture
 from testbed.cluster.network import ClusterNetwork
 from testbed.cluster.relay import MetricsRelay
 from testbed.cluster.timeline import Timeline
@@ -90,7 +92,8 @@ class RunResult:
 
 class ClusterRun:
     """One run of `scenario_path` (its steps overridden by `steps`, e.g. to shorten it in CI)
-    into `run_dir` (default: `runs/<name>-<UTC time>`)."""
+    into `run_dir` (default: `runs/<name>-<UTC time>`), capturing the scenario's links and
+    `capture` ("0->1", ...: `Scenario.with_capture`, a `ValueError` names a bad one)."""
 
     def __init__(
         self,
@@ -99,10 +102,13 @@ class ClusterRun:
         steps: int | None = None,
         run_dir: str | Path | None = None,
         backend: str = "auto",
+        capture: Sequence[str] | None = None,
     ) -> None:
         self.scenario_path = Path(scenario_path)
         self.steps = steps
-        self.scenario: Scenario = load_scenario(self.scenario_path, steps=steps)
+        self.scenario: Scenario = load_scenario(self.scenario_path, steps=steps).with_capture(
+            list(capture or ()))
+        self.capture: RunCapture | None = None  # the run's captures, once the network is up
         stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d-%H%M%S")
         self.run_dir = (Path(run_dir) if run_dir
                         else Path("runs") / f"{safe_name(self.scenario.name)}-{stamp}")
@@ -157,6 +163,10 @@ class ClusterRun:
                 with inside(network.lab.switch):  # on the bridge, never shaped
                     store = [serve_run_store(network.control_address, PORTS["drift"])]
                 stack.callback(store.clear)  # served until the workers are gone
+                if self.scenario.capture_pairs():
+                    self.capture = RunCapture(self.scenario, self.run_dir, writer.started)
+                    stack.callback(self.capture.close, network)  # once the workers are gone
+                    self.capture.start(network)
                 def on_event(record: dict[str, Any]) -> None:
                     writer.fault(**record)
                     post_links(self.run_dir, record, network.links.effective)  # workers' metrics
@@ -184,6 +194,9 @@ class ClusterRun:
             failed = [w for w in self.workers if w.status != "done"]
             if error is None and failed:
                 error = "; ".join(self._failure(w) for w in failed)
+            if self.capture is not None:
+                self.capture.summarise()
+                writer.event("capture", **self.capture.event())
             summary = writer.finish(success=error is None, error=error)
             writer.close()
             html = render(self.run_dir)

@@ -160,6 +160,31 @@ def _commands(commands: list[dict[str, Any]]) -> str:
             f"<th>last exit code</th><th>last run (s)</th></tr>{rows}</table>")
 
 
+def _capture(capture: dict[str, Any]) -> str:
+    """Each captured link's totals (capture/flows.json has them per flow)."""
+    if capture.get("error"):
+        return f'<h2>Capture</h2><p class="warn">{html.escape(str(capture["error"]))}</p>'
+    names = ("sent_packets", "received_packets", "lost", "retransmitted", "reordered",
+             "duplicated", "unmatched")
+    rows = "".join(
+        f'<tr><td class="text">{html.escape(str(link["link"]))}</td>'
+        + "".join(f"<td>{link.get(name, 0)}</td>" for name in names)
+        + f'<td class="text">{html.escape(_bounds(link))}</td></tr>'
+        for link in capture.get("links", []))
+    heads = "".join(f"<th>{name.replace('_', ' ')}</th>" for name in names)
+    files = html.escape(str(capture.get("flows", "capture/flows.json")))
+    return (f"<h2>Capture</h2><p>Per flow: <code>{files}</code>; the pcap files beside it "
+            f'open in Wireshark.</p><table><tr><th class="text">link</th>{heads}'
+            f'<th class="text">files</th></tr>{rows}</table>')
+
+
+def _bounds(link: dict[str, Any]) -> str:
+    notes = [f"{side} truncated" for side, cut in link.get("truncated", {}).items() if cut]
+    notes += [f"{side}: {count} dropped by the capture" for side, count in
+              link.get("kernel_drops", {}).items() if count]
+    return "; ".join(notes) or "complete"
+
+
 def _warnings(warnings: list[str]) -> str:
     if not warnings:
         return ""
@@ -217,6 +242,8 @@ def render_run(run_dir: str | Path | Run, out_dir: str | Path | None = None) -> 
     body += [_warnings(run.warnings), _network(run)]
     if summary.get("commands"):
         body.append(_commands(summary["commands"]))
+    if summary.get("capture"):
+        body.append(_capture(summary["capture"]))
     body += ["<h2>Plots</h2>", _figures(drawn, skipped, out), "<h2>Workers</h2>",
              _table([(f"worker {w['rank']}", w) for w in summary["per_worker"]],
                     _WORKER_FIGURES, "worker")]

@@ -328,6 +328,11 @@ def summarize(run: Run, success: bool | None = None, error: str | None = None) -
     if commands:
         summary["workers"] = max(summary["workers"], len(commands))
         summary["commands"] = commands
+    capture = next((e for e in reversed(run.other) if e.get("type") == "capture"), None)
+    if capture is not None:  # what crossed the captured links (capture/flows.json)
+        summary["capture"] = {key: capture[key] for key in
+                              ("directory", "flows", "truncated", "links", "error")
+                              if key in capture}
     if run.warnings:
         summary["warnings"] = list(run.warnings)
     return summary

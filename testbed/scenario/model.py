@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from functools import reduce
 from operator import or_
 from typing import Annotated, Any, Literal, get_args
@@ -25,6 +25,8 @@ from pydantic import (
     Discriminator,
     Field,
     Tag,
+    ValidationError,
+    ValidationInfo,
     create_model,
     field_validator,
     model_validator,
@@ -32,7 +34,7 @@ from pydantic import (
 from pydantic.json_schema import GenerateJsonSchema
 
 from netem.profile import BitsPerSecond, Fraction, LinkProfile, LinkTime, ProfileError, Seconds
-from netem.units import FRACTION_HELP, RATE_HELP, TIME_HELP
+from netem.units import FRACTION_HELP, RATE_HELP, SIZE_HELP, TIME_HELP, format_size, parse_size
 from testbed.collectives import registry
 from testbed.scenario.links import ALL, LinkState
 from testbed.train.config import TrainConfig, _threshold
@@ -360,6 +362,63 @@ class Metrics(_Model):
         "final values; the run ends them as soon as every worker is done."))
 
 
+# --- capture ------------------------------------------------------------------------------------
+
+
+LINK_TEXT = r"^\s*([A-Za-z0-9_.-]+)\s*(<->|->)\s*([A-Za-z0-9_.-]+)\s*$"
+LINK_HELP = ("a link such as '0->1' (one direction), '0<->2' (both), 'east->west' (groups) or "
+             "'all', or a mapping {from: 0, to: 1} / {between: [0, 2]}")
+
+
+def _link_text(value: Any) -> Any:
+    """`"0->1"` is `{from: 0, to: 1}`, `"a<->b"` is `{between: [a, b]}`, `"all"` every link."""
+    if not isinstance(value, str):
+        return value
+    if value.strip() == ALL:
+        return {}
+    match = re.match(LINK_TEXT, value)
+    if not match:
+        raise ValueError(f"expected {LINK_HELP}, got {value!r}")
+    first, arrow, second = match.groups()
+    ends = [int(end) if end.isdigit() else end for end in (first, second)]
+    return {"from": ends[0], "to": ends[1]} if arrow == "->" else {"between": ends}
+
+
+LinkText = Annotated[Selector, BeforeValidator(_link_text)]
+def _byte_size(value: Any, info: ValidationInfo) -> int:
+    """A size, with its unit in human input (a bare `max_bytes: 20` would be 20 bytes)."""
+    return parse_size(value, unit_required=bool(info.context and info.context.get("human")))
+
+
+ByteSize = Annotated[int, BeforeValidator(_byte_size)]
+
+
+class Capture(_Model):
+    """Links whose frames are recorded during a run (docs/capture.md): for each directed link
+    src->dst, what src put on the wire towards dst and what reached dst from src, as pcap files
+    of the run directory (`capture/SRC-DST.sent.pcap`, `.received.pcap`), and what the link did
+    to each flow (`capture/flows.json`)."""
+
+    links: list[LinkText] = Field(default=[], description="The links to capture: '0->1', "
+                                  "'0<->2', 'east->west', 'all', or {from, to} / {between}.")
+    max_bytes: ByteSize = Field(default=20_000_000, ge=1000, le=10**12, description="Each "
+                                "file's size limit (20MB, 512kB, 1MiB): writing stops there "
+                                "and the file is marked truncated.")
+    snap: int = Field(default=128, ge=64, le=65535, description="Bytes kept of each frame "
+                      "(headers and the first payload bytes).")
+
+    def pairs(self, groups: Mapping[str, list[int]], count: int) -> list[tuple[int, int]]:
+        """Every directed link (src, dst) selected, each once, in the order given."""
+        seen: dict[tuple[int, int], None] = {}
+        for link in self.links:
+            seen.update(dict.fromkeys(link.pairs(groups, count)))
+        return list(seen)
+
+    def describe(self) -> str:
+        return (f"{', '.join(link.describe() for link in self.links)} "
+                f"({format_size(self.max_bytes)} per file, snap {self.snap})")
+
+
 # --- timeline -----------------------------------------------------------------------------------
 
 
@@ -556,6 +615,8 @@ class Scenario(_Model):
     timeline: list[Event] = Field(default=[], description="Faults, at a time or a step, in "
                                   "the order they happen.")
     metrics: Metrics = Metrics()
+    capture: Capture = Field(default=Capture(), description="Links whose frames a run records "
+                             "into pcap files, and the per-flow summary (docs/capture.md).")
 
     @property
     def command(self) -> CommandJob | None:
@@ -564,7 +625,8 @@ class Scenario(_Model):
 
     @model_validator(mode="after")
     def _consistent(self) -> Scenario:
-        problems = [*self._check_workers(), *self._check_topology(), *self._check_timeline()]
+        problems = [*self._check_workers(), *self._check_topology(), *self._check_timeline(),
+                    *self._check_capture()]
         if self.command is not None:
             problems.extend(self._check_command())
         else:
@@ -695,6 +757,14 @@ class Scenario(_Model):
                 listing = ", ".join(self.topology.groups) or "none defined (topology.groups)"
                 yield where, f"unknown group {end!r}; allowed: {listing}"
 
+    def _check_capture(self) -> Iterator[tuple[Loc, str]]:
+        for i, link in enumerate(self.capture.links):
+            loc: Loc = ("capture", "links", i)
+            bad_ends = list(self._endpoint_problems(loc, link))
+            yield from bad_ends
+            if not bad_ends and not link.pairs(self.topology.groups, self.count):
+                yield loc, f"{link.describe()} selects no link"
+
     def _check_timeline(self) -> Iterator[tuple[Loc, str]]:
         kills: list[tuple[int, str, float]] = []  # (worker, clock, when)
         linked = []  # the link events whose ends are valid, to replay
@@ -782,6 +852,36 @@ class Scenario(_Model):
             for s in range(self.count) for d in range(self.count) if s != d
         }
 
+    def capture_pairs(self) -> list[tuple[int, int]]:
+        """The directed links (src, dst) a run captures, each once."""
+        return self.capture.pairs(self.topology.groups, self.count)
+
+    def with_capture(self, links: Sequence[str]) -> Scenario:
+        """This scenario capturing `links` too (`testbed run --capture 0->1`); a `ValueError`
+        names each bad one and what is wrong with it."""
+        if not links:
+            return self
+        data = self.model_dump(exclude_unset=True, by_alias=True)
+        section = data.setdefault("capture", {})
+        given = len(section.get("links", []))
+        section["links"] = [*section.get("links", []), *links]
+        try:
+            return Scenario.model_validate(data)
+        except ValidationError as error:
+            problems: list[str] = []
+            for item in error.errors():
+                found = item.get("ctx", {}).get("error")
+                pairs = (found.problems if isinstance(found, Problems) else
+                         [(item["loc"], item["msg"].removeprefix("Value error, "))])
+                for loc, message in pairs:
+                    if tuple(loc[:2]) == ("capture", "links") and len(loc) > 2 and isinstance(
+                            loc[2], int) and loc[2] >= given:
+                        rest = [part for part in loc[3:] if not str(part).startswith(
+                            "function-")]
+                        where = f" ({dotted(tuple(rest))})" if rest else ""
+                        problems.append(f"{links[loc[2] - given]}{where}: {message}")
+            raise ValueError("; ".join(problems) or str(error)) from None
+
     def with_steps(self, steps: int) -> Scenario:
         """This scenario shortened (or lengthened) to `steps` steps, e.g. for CI; events at a
         step move proportionally (same share of the run), events at a time stay."""
@@ -812,10 +912,12 @@ class Scenario(_Model):
         job = (f"command {' '.join(self.command.command)}" if self.command is not None else
                f"job {self.job.model} x {self.job.steps} steps; "
                f"collective {self.collective.kind}{compression}")
+        capture = f"; capture {self.capture.describe()}" if self.capture.links else ""
         return (
             f"{self.name}: {self.count} workers; {'; '.join(network)}; "
             f"{self.topology.congestion}; {job}; "
             f"{len(self.timeline)} event(s){' (' + ', '.join(actions) + ')' if actions else ''}"
+            f"{capture}"
         )
 
 
@@ -859,6 +961,11 @@ _WIDER: dict[Callable, Callable[[dict], dict]] = {
     _threshold: lambda inner: {"anyOf": [_TIME(inner), {"const": "auto"}],
                                "description": f"'auto' or {TIME_HELP}"},
     _as_list: lambda inner: {"anyOf": [inner.get("items", {}), inner]},
+    _link_text: lambda inner: {"anyOf": [{"type": "string", "pattern": LINK_TEXT,
+                                          "description": LINK_HELP}, {"const": ALL}, inner]},
+    _byte_size: _schema(f"{SIZE_HELP} (with its unit: a bare number would be bytes)",
+                        {"const": 0},
+                        _string(rf"{_MAGNITUDE}\s*([bB]|[kKmMgG][bB]?|[kKmMgG]i[bB])|{_ZERO}")),
     _worker_count: lambda inner: {"anyOf": [{"type": "integer", "minimum": 1}, inner]},
 }
 

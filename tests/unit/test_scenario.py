@@ -463,3 +463,47 @@ def test_cli_check_and_schema(tmp_path: Path):
     assert result.exit_code == 0 and json.loads(out.read_text()) == json_schema()
     printed = runner.invoke(app, ["scenario", "schema"])
     assert json.loads(printed.output) == json_schema()
+
+
+# --- capture ----------------------------------------------------------------------------------
+
+CAPTURE_BASE = "name: c\nworkers: 3\ntopology: {groups: {east: [0], west: [1, 2]}}\n"
+
+
+def test_the_capture_section_selects_links_like_the_topology():
+    scenario = load_scenario(CAPTURE_BASE + 'capture: {links: ["0->1", "east<->west", '
+                             '{from: 2, to: 0}], max_bytes: 1MiB, snap: 96}\n')
+    assert scenario.capture_pairs() == [(0, 1), (0, 2), (1, 0), (2, 0)]
+    assert (scenario.capture.max_bytes, scenario.capture.snap) == (2**20, 96)
+    assert "capture 0->1, east<->west, 2->0 (1MiB per file, snap 96)" in scenario.summary()
+    assert load_scenario(CAPTURE_BASE + "capture: {links: [all]}\n").capture_pairs() == [
+        (s, d) for s in range(3) for d in range(3) if s != d]
+    assert load_scenario(CAPTURE_BASE).capture_pairs() == []
+    assert load_scenario(CAPTURE_BASE).with_capture(["2->1"]).capture_pairs() == [(2, 1)]
+
+
+@pytest.mark.parametrize(("section", "problem"), [
+    ('{links: ["0->7"]}', "capture.links[0].to: no worker 7: workers are 0..2"),
+    ('{links: ["0-1"]}', "capture.links[0]: expected a link such as '0->1'"),
+    ('{links: ["north->east"]}', "capture.links[0].from: unknown group 'north'; allowed: east, "
+                                 "west"),
+    ("{links: [{from: 1, to: 1}]}", "capture.links[0]: 1->1 selects no link"),
+    ("{max_bytes: 10}", "capture.max_bytes: 10 has no unit: write '10MB'"),
+    ("{max_bytes: 10B}", "capture.max_bytes: Input should be greater than or equal to 1000"),
+    ("{max_bytes: lots}", "capture.max_bytes: expected a size such as '20MB'"),
+    ("{snap: 20}", "capture.snap: Input should be greater than or equal to 64"),
+    ("{link: []}", "capture.link: unknown field (did you mean 'links'?); allowed: links, "
+                   "max_bytes, snap"),
+])
+def test_a_bad_capture_section_names_the_field(section: str, problem: str):
+    with pytest.raises(ScenarioError) as caught:
+        load_scenario(CAPTURE_BASE + f"capture: {section}\n")
+    assert f"<text>:4: {problem}" in str(caught.value)
+
+
+def test_a_bad_capture_option_names_the_link():
+    scenario = load_scenario(CAPTURE_BASE)
+    with pytest.raises(ValueError, match=r"0->9 \(to\): no worker 9: workers are 0\.\.2"):
+        scenario.with_capture(["0->9"])
+    with pytest.raises(ValueError, match="sideways: expected a link such as"):
+        scenario.with_capture(["sideways"])
