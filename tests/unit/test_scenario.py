@@ -14,6 +14,7 @@ from testbed.cli import app
 from testbed.scenario import (
     Scenario,
     ScenarioError,
+    find_scenario,
     json_schema,
     load_scenario,
     partition_pairs,
@@ -413,3 +414,12 @@ def test_cli_check_and_schema(tmp_path: Path):
     assert result.exit_code == 0 and json.loads(out.read_text()) == json_schema()
     printed = runner.invoke(app, ["scenario", "schema"])
     assert json.loads(printed.output) == json_schema()
+
+
+def test_find_scenario_takes_a_file_or_a_shipped_name(tmp_path):
+    shipped = scenario_files()[0]
+    assert find_scenario(shipped.stem) == shipped
+    own = tmp_path / f"{shipped.stem}.yaml"
+    own.write_text("name: mine\n")
+    assert find_scenario(own) == own  # a file that exists wins over a shipped name
+    assert find_scenario("no-such-scenario") == Path("no-such-scenario")
