@@ -225,6 +225,14 @@ def test_a_perfect_link_passes_against_a_perfect_profile():
     assert by_name(checks)["loss burst mean"].passed is None
 
 
+def test_a_cut_link_is_judged_on_its_loss_alone():
+    checks = by_name(compare(LinkProfile(loss=1.0), analyze(train([], sent=500))))
+    assert checks["loss"].passed is True
+    assert all(check.passed is None for name, check in checks.items()
+               if name not in ("loss", "receiver drops")), checks
+    assert checks["delay mean"].note == "nothing arrives over a link with 100% loss"
+
+
 @pytest.mark.parametrize(("measured", "passed"), [(0.114, True), (0.086, True), (0.116, False)])
 def test_loss_within_one_and_a_half_points(measured, passed):
     check = by_name(compare(LinkProfile.parse(loss="10%"), perfect(loss_ratio=measured)))["loss"]
