@@ -116,11 +116,16 @@ def make_netem_network(request: pytest.FixtureRequest) -> Iterator[Callable[...,
     marker = request.node.stash.get(_spec_key, NetworkSpec())
     made = request.node.stash.setdefault(_networks_key, [])
 
+    def unsupported(reason: str) -> None:
+        __tracebackhide__ = True
+        unavailable(reason, config)
+
     def make(hosts: int | None = None, *, profile: Any = None, links: Any = None,
              scenario: str | Path | None = None, **fields: Any) -> NetemNetwork:
+        __tracebackhide__ = True
         spec = NetworkSpec.of(profile, hosts=hosts, links=links, scenario=scenario,
                               **fields).under(marker)
-        network = NetemNetwork(spec, on_unsupported=lambda why: unavailable(why, config))
+        network = NetemNetwork(spec, on_unsupported=unsupported)
         reason = network.missing()
         if reason is not None:
             unavailable(reason, config)
@@ -155,6 +160,7 @@ def netem_scenario(request: pytest.FixtureRequest,
 
     def run(scenario: str | Path, *, steps: int | None = None,
             timeout: float | None = None) -> RunResult:
+        __tracebackhide__ = True
         if isinstance(scenario, str) and "\n" in scenario:
             path = _unique(tmp_path / "scenario.yaml")
             path.write_text(scenario)

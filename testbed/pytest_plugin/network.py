@@ -32,6 +32,7 @@ from netem.probe import (
 )
 from netem.profile import LinkProfile, ProfileError
 from testbed.cluster.network import ClusterNetwork
+from testbed.pytest_plugin.requirements import lacking_netem, missing
 from testbed.scenario import Scenario, find_scenario, load_scenario
 
 Pair = tuple[int, int]
@@ -44,8 +45,9 @@ RATE_SECONDS = 1.0  # the bulk train that measures a link's rate
 _live: weakref.WeakSet[NetemNetwork] = weakref.WeakSet()  # started and not closed
 
 
-def as_profile(value: ProfileLike | None, where: str = "profile") -> LinkProfile:
-    """A `LinkProfile`, or a mapping of its fields in human units (`{"loss": "5%"}`)."""
+def as_profile(value: ProfileLike | None, where: str | None = "profile") -> LinkProfile:
+    """A `LinkProfile`, or a mapping of its fields in human units (`{"loss": "5%"}`); errors
+    start with `where`."""
     if value is None:
         return LinkProfile()
     if isinstance(value, LinkProfile):
@@ -54,13 +56,13 @@ def as_profile(value: ProfileLike | None, where: str = "profile") -> LinkProfile
         unknown = sorted(set(value) - set(LinkProfile.model_fields))
         if unknown:
             raise ProfileError(
-                f"{where}: unknown field {', '.join(map(repr, unknown))}; a link profile's "
-                f"fields are {', '.join(LinkProfile.model_fields)}")
+                f"{where or 'profile'}: unknown field {', '.join(map(repr, unknown))}; a link "
+                f"profile's fields are {', '.join(LinkProfile.model_fields)}")
         try:
             return LinkProfile.parse(value)
         except ProfileError as error:
-            raise ProfileError(f"{where}: {error}") from None
-    raise TypeError(f"{where}: expected a LinkProfile or a mapping of its fields, "
+            raise ProfileError(f"{where}: {error}" if where else str(error)) from None
+    raise TypeError(f"{where or 'profile'}: expected a LinkProfile or a mapping of its fields, "
                     f"got {value!r}")
 
 
@@ -92,7 +94,7 @@ class NetworkSpec:
         given = None
         if profile is not None or fields:
             base = as_profile(profile).to_spec() if profile is not None else {}
-            given = as_profile({**base, **fields})
+            given = as_profile({**base, **fields}, where=None if profile is None else "profile")
         if scenario is not None and given is not None:
             raise TypeError("give a profile or a scenario (whose topology is the network), "
                             "not both")
@@ -221,8 +223,6 @@ class NetemNetwork:
 
     def missing(self) -> str | None:
         """Why this host cannot build and shape the network, or None (creates nothing)."""
-        from testbed.pytest_plugin.requirements import missing
-
         return missing(self._cluster)
 
     def start(self) -> NetemNetwork:
@@ -309,8 +309,9 @@ class NetemNetwork:
                  profile: ProfileLike | None = None, **fields: Any) -> None:
         """Give the link src -> dst a profile (a `LinkProfile`, a mapping of its fields, and/or
         its fields as keywords), in place. A cut link stays cut until healed."""
+        __tracebackhide__ = True
         base = as_profile(profile).to_spec() if profile is not None else {}
-        new = as_profile({**base, **fields})
+        new = as_profile({**base, **fields}, where=None if profile is None else "profile")
         self._shapeable(new)
         self._cluster.set_link(_index(src), _index(dst), new)
 
@@ -325,11 +326,12 @@ class NetemNetwork:
 
     def _shapeable(self, profile: LinkProfile) -> None:
         """Raise (or skip the test) before anything changes if the backend cannot shape it."""
+        __tracebackhide__ = True
         try:
             build_plan("p0", profile, backend=self._cluster.backend)
         except UnsupportedByKernel as error:
             if self._on_unsupported is not None:
-                self._on_unsupported(str(error))
+                self._on_unsupported(lacking_netem([profile]) or str(error))
             raise
 
     # -- measuring

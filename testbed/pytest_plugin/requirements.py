@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import os
 import shlex
+from collections.abc import Iterable
 from typing import NoReturn
 
 import pytest
 
 from netem.capabilities import probe_kernel
 from netem.plan import UnsupportedByKernel
+from netem.profile import LinkProfile
 from testbed.cluster.network import ClusterNetwork
 
 TRUE = ("1", "true", "yes")
@@ -32,7 +34,8 @@ def sandbox_hint(config: pytest.Config) -> str:
 
 
 def unavailable(reason: str, config: pytest.Config) -> NoReturn:
-    """Skip the test with `reason`, or fail it under CI."""
+    """Skip the test with `reason`, or fail it under CI (reported at the test's own line)."""
+    __tracebackhide__ = True
     if in_ci():
         pytest.fail(f"netem: cannot run in CI: {reason}", pytrace=False)
     pytest.skip(f"netem: {reason}; {sandbox_hint(config)}")
@@ -52,5 +55,17 @@ def missing(network: ClusterNetwork) -> str | None:
     try:
         network.check()
     except UnsupportedByKernel as error:
-        return str(error)
+        links = network.links
+        profiles = [links.current(src, dst) for src in range(links.count)
+                    for dst in range(links.count) if src != dst]
+        return lacking_netem(profiles) or str(error)
     return None
+
+
+def lacking_netem(profiles: Iterable[LinkProfile]) -> str | None:
+    """What these profiles need of sch_netem, said for a kernel without it; None if nothing."""
+    features = sorted(set().union(*(profile.netem_features() for profile in profiles)))
+    if not features:
+        return None
+    return (f"{', '.join(features)} need{'s' if len(features) == 1 else ''} sch_netem, which "
+            "this kernel lacks (its fallback shapes loss, rate and limit only)")
