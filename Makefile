@@ -13,7 +13,7 @@ measure: bootstrap
 	$(VENV)/bin/testbed demo
 
 test: bootstrap
-	$(VENV)/bin/ruff check netem testbed tests benchmarks
+	$(VENV)/bin/ruff check netem testbed tests benchmarks examples
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/python -m pytest -m "not netem_kernel and not compose" tests
 	$(VENV)/bin/python -m pytest -m compose tests
@@ -25,7 +25,7 @@ soak: bootstrap
 	$(VENV)/bin/python scripts/soak.py $(SOAK)
 
 lint: bootstrap
-	$(VENV)/bin/ruff check netem testbed tests benchmarks
+	$(VENV)/bin/ruff check netem testbed tests benchmarks examples
 	$(VENV)/bin/lint-imports
 
 clean: bootstrap
