@@ -266,6 +266,28 @@ def test_ctrl_c_during_a_test_removes_its_network_and_processes(pytester: pytest
     assert_nothing_left(made(pytester))
 
 
+def test_ctrl_c_in_a_users_teardown_still_removes_the_network(pytester: pytest.Pytester):
+    """A KeyboardInterrupt in a user's fixture teardown ends pytest's teardown of that test
+    before the network's finalizer runs: the plugin closes the network when the session ends."""
+    user_suite(pytester, """
+        import pytest
+        from helpers import echo_server, remember
+
+        @pytest.fixture
+        def service(netem_network):
+            server = echo_server(netem_network[1])
+            remember(prefix=netem_network.prefix, pids=[server.pid])
+            yield server
+            raise KeyboardInterrupt  # Ctrl-C while the user's teardown runs
+
+        def test_uses_the_service(service):
+            pass
+    """)
+    result = pytester.runpytest_subprocess(timeout=TIMEOUT)
+    assert result.ret == pytest.ExitCode.INTERRUPTED
+    assert_nothing_left(made(pytester))
+
+
 def test_without_netem_a_delay_is_skipped_with_its_reason_or_fails_under_ci(
         pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch):
     from netem.capabilities import netem_available
