@@ -30,7 +30,7 @@ def test_a_very_lossy_uplink_only_costs_retries(run_load):
     # the kernel a second or more before it asks again.
     stats = run_load(requests=20, deadline=10.0)
     assert stats["failed"] == 0 and stats["wrong"] == 0, stats
-    assert stats["retries"] >= 5, stats
+    assert stats["retries"] >= 2, stats  # about 16 expected
 
 
 def test_requests_fail_within_their_deadline_during_a_partition(netem_network, run_load):

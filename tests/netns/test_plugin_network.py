@@ -124,8 +124,9 @@ def test_a_udp_echo_gets_through_a_lossy_link_with_retries(pytester: pytest.Pyte
             echo_server(server)
             answers = echo(client, server, count=40)
             assert answers["answered"] == 40
-            # 20% loss each way: about a third of the messages need another attempt.
-            assert answers["attempts"] > 45, answers
+            # 20% loss each way: about a third of the messages need another attempt (that
+            # none does has a chance of 0.64**40, 2e-8).
+            assert answers["attempts"] > 40, answers
 
         def test_without_a_marker_the_links_are_perfect(netem_network):
             client, server = netem_network
