@@ -190,6 +190,19 @@ class Measurement:
     def failures(self) -> list[Check]:
         return [check for check in self.checks.values() if check.passed is False]
 
+    def assert_passed(self, *quantities: str) -> None:
+        """Raise `AssertionError` with the whole table unless these quantities ("loss", "delay
+        mean", ...) were checked and passed; without any, unless no check failed."""
+        __tracebackhide__ = True
+        unknown = [name for name in quantities if name not in self.checks]
+        if unknown:
+            raise KeyError(f"no check {', '.join(map(repr, unknown))}; the checks are "
+                           f"{', '.join(map(repr, self.checks))}")
+        wrong = ([name for name in quantities if self.checks[name].passed is not True]
+                 if quantities else [check.quantity for check in self.failures])
+        if wrong:
+            raise AssertionError(f"{', '.join(wrong)}: not as configured\n{self}")
+
     def __str__(self) -> str:
         lines = [f"link {self.source}->{self.destination} ({self.configured}): "
                  f"{self.result.received}/{self.result.sent} probes arrived"]

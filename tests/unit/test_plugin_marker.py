@@ -1,13 +1,15 @@
 """The pytest plugin without a network (no root): it is installed (the `netem` marker and the
 fixtures are there in every pytest run), a marker with a bad field fails its test naming the
-field, and what the marker and the factory take (`NetworkSpec`)."""
+field, what the marker and the factory take (`NetworkSpec`), and a measurement's verdict."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
+from netem.probe import Check, Train, analyze
 from netem.profile import LinkProfile, ProfileError
-from testbed.pytest_plugin.network import NetworkSpec
+from testbed.pytest_plugin.network import Measurement, NetworkSpec
 
 pytest_plugins = ["pytester"]
 
@@ -86,3 +88,27 @@ def test_a_scenario_gives_the_network_its_topology():
     plain = NetworkSpec.of(loss="5%").scenario_model()
     assert plain.count == 2 and plain.links() == {(0, 1): LinkProfile(loss=0.05),
                                                   (1, 0): LinkProfile(loss=0.05)}
+
+
+def test_a_measurement_asserts_the_quantities_asked_for():
+    checks = {
+        "loss": Check("loss", "ratio", 0.1, 0.104, 0.015, True),
+        "delay mean": Check("delay mean", "seconds", 0.02, 0.025, 0.002, False),
+        "rate": Check("rate", "bits/s", float("nan"), 1e7, float("nan"), None, "no rate"),
+    }
+    seq = np.arange(10)
+    result = analyze(Train(sent=10, size=128, seq=seq, sent_ns=seq * 1_000_000,
+                           recv_ns=seq * 1_000_000 + 25_000_000, payload_ok=np.ones(10, bool),
+                           interval=0.001))
+    measured = Measurement(0, 1, LinkProfile(loss=0.1, delay=0.02), result, checks)
+    measured.assert_passed("loss")
+    assert not measured.passed and measured.failures == [checks["delay mean"]]
+    with pytest.raises(AssertionError, match=r"^delay mean: not as configured\n"
+                       r"link 0->1 \(delay=20ms loss=10%\)") as raised:
+        measured.assert_passed()
+    assert "  delay mean: configured 20.000 ms, measured 25.000 ms, tolerance 2.000 ms: FAIL" in (
+        str(raised.value))
+    with pytest.raises(AssertionError, match=r"^rate: not as configured"):
+        measured.assert_passed("loss", "rate")  # not checked is not passed
+    with pytest.raises(KeyError, match="no check 'delay'"):
+        measured.assert_passed("delay")
