@@ -47,7 +47,7 @@ def test_requests_fail_within_their_deadline_during_a_partition(netem_network, r
 
 def test_the_link_is_what_the_suite_assumes(netem_network):
     measured = netem_network.measure(0, 1)
-    # What the tests above rely on: the delay and the loss (the jitter of a guest on a busy
-    # host is not the service's business).
-    assert measured.checks["delay mean"].passed, measured
-    assert measured.checks["loss"].passed, measured
+    measured.assert_passed("loss")
+    # The delay most packets see: a guest on a busy host delivers some of them late, which
+    # moves the mean but not the median.
+    assert 20 <= measured.result.delay_percentiles[50] * 1e3 < 22, measured

@@ -25,17 +25,21 @@ def test_the_markers_delay_and_loss_are_measured(pytester: pytest.Pytester):
         def test_delayed_lossy_link(netem_network):
             assert netem_network.backend == "netem"
             measured = netem_network.measure(0, 1)
-            print("MEASURED", json.dumps({"delay": measured.result.delay_mean,
-                                          "loss": measured.result.loss_ratio}))
-            # Delay and loss; not the jitter, which a busy host's scheduling adds to a guest.
-            assert measured.checks["delay mean"].passed, measured
-            assert measured.checks["loss"].passed, measured
+            result = measured.result
+            print("MEASURED", json.dumps({"min": result.delay_min,
+                                          "median": result.delay_percentiles[50],
+                                          "mean": result.delay_mean,
+                                          "loss": result.loss_ratio}))
+            measured.assert_passed("loss")
     """)
     result = pytester.runpytest_subprocess("-s", timeout=TIMEOUT)
     result.assert_outcomes(passed=1)
     line = next(line for line in result.outlines if "MEASURED" in line)
     measured = json.loads(line.partition("MEASURED ")[2])
-    assert 0.019 <= measured["delay"] <= 0.023, measured  # 20 ms, and the guest's timer slack
+    # netem holds every packet 20 ms; a guest on a busy host delivers some later still (seen:
+    # a mean of 24 ms with a median of 20.1 ms), never one earlier.
+    assert 0.020 <= measured["min"] <= measured["median"] < 0.022, measured
+    assert measured["mean"] >= 0.020, measured
     assert 0.035 <= measured["loss"] <= 0.065, measured
 
 

@@ -157,7 +157,8 @@ def test_links_change_and_partition_and_heal_during_a_test(pytester: pytest.Pyte
             assert echo(a, b, count=3, budget=0.5)["answered"] == 0
             assert echo(a, c, count=10)["answered"] == 10  # only a <-> b is cut
             cut = network.measure(a, b, count=500, timeout=1.0)
-            assert cut.result.received == 0 and cut.passed, cut
+            assert cut.result.received == 0
+            cut.assert_passed("loss")
 
             network.heal()
             assert network.profile(0, 1) == LinkProfile.parse(loss="40%")  # kept while cut
@@ -177,7 +178,7 @@ def test_measuring_a_link_gets_the_configured_loss_and_rate(pytester: pytest.Pyt
         def test_measure(netem_network):
             lossy = netem_network.measure(0, 1)
             print(lossy)
-            assert lossy.passed, lossy
+            lossy.assert_passed()
             loss = lossy.checks["loss"]
             assert loss.passed and abs(lossy.result.loss_ratio - 0.10) <= loss.tolerance
             assert loss.tolerance == pytest.approx(0.015)  # 5000 probes
@@ -185,7 +186,8 @@ def test_measuring_a_link_gets_the_configured_loss_and_rate(pytester: pytest.Pyt
 
             limited = netem_network.measure(1, 0)
             print(limited)
-            assert limited.passed and limited.checks["rate"].passed, limited
+            limited.assert_passed("rate")
+            limited.assert_passed()
             assert abs(limited.result.rate - 20e6) <= 2e6
     """)
     result = pytester.runpytest_subprocess("-s", timeout=TIMEOUT)
