@@ -635,12 +635,12 @@ def run(
     """Run a scenario end to end: its network, its workers, its fault timeline; a live display,
     a summary table, and the run directory with the report. Exit 1 if the run failed."""
 
-    from testbed.scenario import ScenarioError, load_scenario
+    from testbed.scenario import ScenarioError, find_scenario, load_scenario
 
     if sandbox not in ("auto", "uml", "none"):
         typer.echo(f"--sandbox: expected auto, uml or none, got {sandbox!r}", err=True)
         raise typer.Exit(2)
-    path = _scenario_path(scenario)
+    path = find_scenario(scenario)
     try:
         loaded = load_scenario(path, steps=steps)
     except ScenarioError as error:
@@ -719,17 +719,6 @@ def capture_command(
                   f"{flows['seconds']:.2f} s")
 
 
-def _scenario_path(scenario: str):
-    """A scenario file, or the shipped one of that name (compose/scenarios/NAME.yaml)."""
-    from pathlib import Path
-
-    from testbed.scenario import scenario_files
-
-    shipped = {path.stem: path for path in scenario_files()}
-    given = Path(scenario)
-    return given if given.exists() or scenario not in shipped else shipped[scenario]
-
-
 @app.command()
 def compose(
     scenario: Annotated[str, typer.Argument(
@@ -749,9 +738,9 @@ def compose(
     from pathlib import Path
 
     from testbed.compose import ComposeError, default_directory, write_project
-    from testbed.scenario import ScenarioError, load_scenario
+    from testbed.scenario import ScenarioError, find_scenario, load_scenario
 
-    path = _scenario_path(scenario)
+    path = find_scenario(scenario)
     try:
         ipaddress.ip_network(subnet)
         loaded = load_scenario(path, steps=steps)

@@ -4,7 +4,6 @@ missing fails under CI and is skipped, with the reason, elsewhere."""
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -12,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from netem.lab import Lab
+from testbed.report import describe_runs
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
@@ -58,9 +58,6 @@ def make_lab() -> Iterator[Callable[..., Lab]]:
         lab.close()
 
 
-LOG_LINES = 12  # last lines of each worker's log shown with a failed test
-
-
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> pytest.TestReport:
     """A failed test that ran a scenario says why: its run directories' summaries and the last
@@ -72,24 +69,3 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> pytes
         if text:
             report.sections.append(("run directories", text))
     return report
-
-
-def describe_runs(root: Path) -> str:
-    """Every run directory under `root`: its summary's verdict and error, and each log's tail."""
-    parts = []
-    for logs in sorted(root.rglob("logs")):
-        run = logs.parent
-        summary = run / "summary.json"
-        if summary.exists():
-            try:
-                data = json.loads(summary.read_text())
-                parts.append(f"{run}: success={data.get('success')} error={data.get('error')}")
-            except ValueError as error:
-                parts.append(f"{run}: summary.json unreadable ({error})")
-        else:
-            parts.append(f"{run}: no summary.json")
-        for log in sorted(logs.glob("*.log")):
-            lines = log.read_text(errors="replace").splitlines()[-LOG_LINES:]
-            parts.append(f"--- {log.name} (last {len(lines)} lines)")
-            parts.extend(lines)
-    return "\n".join(parts)

@@ -394,6 +394,10 @@ def compare(configured: LinkProfile, result: ProbeResult,
                     "rate", "bits/s", configured.rate, result.rate, RATE_TOLERANCE * configured.rate
                 )
             )
+    if configured.mean_loss >= 1 and result.received == 0:
+        # A cut link: nothing arrives, so only the loss (and the receiver's drops) is measured.
+        checks = [_skipped(c.quantity, c.unit, c.measured, "nothing arrives over a link with "
+                           "100% loss") if math.isnan(c.measured) else c for c in checks]
     return checks
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from testbed.report.events import EndEvent, FaultEvent, LinkEvent, RunEvent, StepEvent
-from testbed.report.run import Run, RunError, load_run, summarize
+from testbed.report.run import Run, RunError, describe_runs, load_run, summarize
 from testbed.report.writer import RunWriter, write_summary
 
 __all__ = [
@@ -23,6 +23,7 @@ __all__ = [
     "RunEvent",
     "RunWriter",
     "StepEvent",
+    "describe_runs",
     "load_run",
     "render_comparison",
     "render_run",

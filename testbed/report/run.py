@@ -336,3 +336,25 @@ def summarize(run: Run, success: bool | None = None, error: str | None = None) -
     if run.warnings:
         summary["warnings"] = list(run.warnings)
     return summary
+
+
+def describe_runs(root: str | Path, log_lines: int = 12) -> str:
+    """Every run directory under `root` (found by its `logs/`), for a failed test's report: its
+    summary's verdict and error, and the last `log_lines` lines of each log."""
+    parts = []
+    for logs in sorted(Path(root).rglob("logs")):
+        run = logs.parent
+        summary = run / SUMMARY
+        if summary.exists():
+            try:
+                data = json.loads(summary.read_text())
+                parts.append(f"{run}: success={data.get('success')} error={data.get('error')}")
+            except ValueError as error:
+                parts.append(f"{run}: {SUMMARY} unreadable ({error})")
+        else:
+            parts.append(f"{run}: no {SUMMARY}")
+        for log in sorted(logs.glob("*.log")):
+            lines = log.read_text(errors="replace").splitlines()[-log_lines:]
+            parts.append(f"--- {log.name} (last {len(lines)} lines)")
+            parts.extend(lines)
+    return "\n".join(parts)

@@ -3,7 +3,13 @@ metrics); `load_scenario` validates it into a `Scenario` or raises one `Scenario
 every bad field with its path, line and what is allowed (docs/scenarios.md)."""
 
 from testbed.scenario.links import CUT, LinkState, partition_pairs
-from testbed.scenario.load import Problem, ScenarioError, load_scenario, scenario_files
+from testbed.scenario.load import (
+    Problem,
+    ScenarioError,
+    find_scenario,
+    load_scenario,
+    scenario_files,
+)
 from testbed.scenario.model import (
     ACTIONS,
     COLLECTIVES,
@@ -39,6 +45,7 @@ __all__ = [
     "Topology",
     "WorkerOverride",
     "Workers",
+    "find_scenario",
     "json_schema",
     "load_scenario",
     "partition_pairs",

@@ -59,6 +59,13 @@ def scenario_files(directory: Path = SHIPPED) -> list[Path]:
     return sorted(directory.glob("*.yaml"))
 
 
+def find_scenario(scenario: str | Path) -> Path:
+    """A scenario file, or the shipped one of that name (compose/scenarios/NAME.yaml)."""
+    shipped = {path.stem: path for path in scenario_files()}
+    given = Path(scenario)
+    return given if given.exists() or str(scenario) not in shipped else shipped[str(scenario)]
+
+
 def load_scenario(source: str | Path, *, steps: int | None = None) -> Scenario:
     """Validate a scenario from a path (`Path`, or a string naming an existing `.yaml`/`.yml`
     file) or from YAML text. A file without `name` is named after it; `steps` shortens the job

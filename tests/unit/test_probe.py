@@ -226,6 +226,14 @@ def test_a_perfect_link_passes_against_a_perfect_profile():
     assert by_name(checks)["loss burst mean"].passed is None
 
 
+def test_a_cut_link_is_judged_on_its_loss_alone():
+    checks = by_name(compare(LinkProfile(loss=1.0), analyze(train([], sent=500))))
+    assert checks["loss"].passed is True
+    assert all(check.passed is None for name, check in checks.items()
+               if name not in ("loss", "receiver drops")), checks
+    assert checks["delay mean"].note == "nothing arrives over a link with 100% loss"
+
+
 # 10% loss over 10 000 probes: the standard error is 0.3 points, the tolerance 5.5 of them.
 @pytest.mark.parametrize(("measured", "passed"), [(0.116, True), (0.084, True), (0.117, False),
                                                   (0.2, False), (0.05, False)])

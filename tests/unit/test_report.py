@@ -17,7 +17,14 @@ from typer.testing import CliRunner
 
 from testbed.cli import app
 from testbed.collectives.base import AllReduceStats
-from testbed.report import RunError, RunWriter, load_run, render_comparison, render_run
+from testbed.report import (
+    RunError,
+    RunWriter,
+    describe_runs,
+    load_run,
+    render_comparison,
+    render_run,
+)
 from testbed.report.page import format_value, labels_for
 from testbed.train.job import StepRecord
 
@@ -357,3 +364,17 @@ def test_cli_bad_input_is_one_line_and_an_exit_code(tmp_path: Path, run_dir: Pat
     assert bad.output.strip().splitlines() == [f"error: {path}:3: not valid JSON: Expecting "
                                                "value"]
     assert isinstance(bad.exception, SystemExit)  # a clean exit, not an uncaught error
+
+
+def test_describe_runs_gives_each_runs_verdict_and_log_tails(tmp_path: Path):
+    run = tmp_path / "a" / "run"
+    (run / "logs").mkdir(parents=True)
+    (run / "summary.json").write_text(json.dumps({"success": False, "error": "worker 1 died"}))
+    (run / "logs" / "worker-1.log").write_text("".join(f"line {i}\n" for i in range(30)))
+    (tmp_path / "b" / "logs").mkdir(parents=True)
+
+    text = describe_runs(tmp_path, log_lines=3)
+
+    assert f"{run}: success=False error=worker 1 died" in text
+    assert "--- worker-1.log (last 3 lines)\nline 27\nline 28\nline 29" in text
+    assert f"{tmp_path / 'b'}: no summary.json" in text

@@ -16,6 +16,7 @@ from testbed.cli import app
 from testbed.scenario import (
     Scenario,
     ScenarioError,
+    find_scenario,
     json_schema,
     load_scenario,
     partition_pairs,
@@ -507,3 +508,12 @@ def test_a_bad_capture_option_names_the_link():
         scenario.with_capture(["0->9"])
     with pytest.raises(ValueError, match="sideways: expected a link such as"):
         scenario.with_capture(["sideways"])
+
+
+def test_find_scenario_takes_a_file_or_a_shipped_name(tmp_path):
+    shipped = scenario_files()[0]
+    assert find_scenario(shipped.stem) == shipped
+    own = tmp_path / f"{shipped.stem}.yaml"
+    own.write_text("name: mine\n")
+    assert find_scenario(own) == own  # a file that exists wins over a shipped name
+    assert find_scenario("no-such-scenario") == Path("no-such-scenario")
