@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import sys
 import tempfile
 from collections.abc import Callable, Sequence
@@ -20,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from netem.lab import Lab
-from netem.probe import GUEST_TIMING_FLOOR, TIMING_FLOOR, Check, compare, offered_load, probe
+from netem.probe import Check, compare, offered_load, probe
 from netem.profile import GilbertElliott, LinkProfile
 
 RECEIVER = 0
@@ -111,8 +110,7 @@ def measure_part(part: Part, say: Progress = lambda _: None) -> list[Measured]:
                 rate_duration=RATE_SECONDS if link.profile.rate else 0.0,
                 offered_rate=offered_load(link.profile),
             )
-            floor = GUEST_TIMING_FLOOR if os.environ.get("TESTBED_IN_GUEST") else TIMING_FLOOR
-            checks = tuple(compare(link.profile, result, timing_floor=floor))
+            checks = tuple(compare(link.profile, result))
             outcomes.append(Measured(part.title, name, str(link.profile), checks))
         say(f"removing the lab ({applied.backend} shaping, offloads off on "
             f"{', '.join(applied.offloads_disabled) or 'nothing'})")

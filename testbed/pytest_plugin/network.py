@@ -22,8 +22,6 @@ from typing import Any
 
 from netem.plan import UnsupportedByKernel, build_plan
 from netem.probe import (
-    GUEST_TIMING_FLOOR,
-    TIMING_FLOOR,
     Check,
     ProbeResult,
     compare,
@@ -363,9 +361,8 @@ class NetemNetwork:
                        interval=interval, timeout=timeout,
                        rate_duration=RATE_SECONDS if bulk else 0.0,
                        offered_rate=offered_load(configured))
-        floor = GUEST_TIMING_FLOOR if os.environ.get("TESTBED_IN_GUEST") else TIMING_FLOOR
         checks = {check.quantity: check
-                  for check in compare(configured, result, timing_floor=floor)}
+                  for check in compare(configured, result)}
         return Measurement(s, d, configured, result, checks)
 
     # -- for a failed test's report
