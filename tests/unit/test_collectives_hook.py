@@ -51,8 +51,10 @@ def worker(rank: int, ports: list[int], choice: tuple[str, str | None, dict] | N
         collective = None
         if choice is not None:
             kind, compressor, options = choice
-            addresses = [("127.0.0.1", port) for port in ports[1:]]
-            collective = create(kind, rank, WORLD, addresses=addresses, **OPTIONS[kind])
+            addresses = [("127.0.0.1", port) for port in ports[1:1 + WORLD]]
+            streams = {"stream_addresses": [("127.0.0.1", port) for port in ports[1 + WORLD:]]}
+            collective = create(kind, rank, WORLD, addresses=addresses, **OPTIONS[kind],
+                                **(streams if kind == "lossy" else {}))
             if compressor is not None:
                 collective = wrap(collective, compressor, **options)
             model.register_comm_hook(state=None, hook=comm_hook(collective))
@@ -99,9 +101,12 @@ def gradients(kind: str | None, compressor: str | None = None,
               **options: object) -> dict[int, list[torch.Tensor]]:
     """Every rank's gradients through collective `kind` (compressed if given; plain DDP if
     `kind` is None)."""
-    # The gloo store's port, then one port per rank: TCP for the ring, UDP for lossy.
+    # The gloo store's port, then one port per rank: TCP for the ring, UDP for lossy (and TCP
+    # ones for lossy's streams: a free UDP port's number may be taken in TCP).
     ports = free_ports(1) + free_ports(WORLD, socket.SOCK_DGRAM if kind == "lossy" else
                                        socket.SOCK_STREAM)
+    if kind == "lossy":
+        ports += free_ports(WORLD)
     choice = None if kind is None else (kind, compressor, options)
     return {rank: [torch.from_numpy(array) for array in arrays]
             for rank, arrays in spawn(worker, ports, choice)}

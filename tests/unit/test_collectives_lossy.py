@@ -30,14 +30,14 @@ def lossy_group(
     deadline is fixed (floor = initial): a busy host must not make a learned one cut off
     chunks in tests that expect every one of them; it costs nothing when none is missing."""
     endpoints = [DatagramEndpoint(rank, RUN, ("127.0.0.1", 0)) for rank in range(world)]
-    listeners = [Listener(("127.0.0.1", 0)) for _ in range(world)] if resync_every else None
+    # TCP listeners of their own, bound first too: the UDP ports' numbers may be taken in TCP.
+    listeners = [Listener(("127.0.0.1", 0)) for _ in range(world)]
     return run_concurrently(*(
         lambda rank=rank: Lossy(
             rank, world, addresses=[e.address for e in endpoints], endpoint=endpoints[rank],
             run_id=RUN, resync_every=resync_every, deadline_initial=deadline,
-            deadline_floor=deadline,
-            stream_addresses=[x.address for x in listeners] if listeners else None,
-            listener=listeners[rank] if listeners else None, **options,
+            deadline_floor=deadline, stream_addresses=[x.address for x in listeners],
+            listener=listeners[rank], **options,
         )
         for rank in range(world)
     ))
