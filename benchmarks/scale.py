@@ -307,21 +307,18 @@ def _verdict(met: bool) -> str:
     return "met" if met else "**not met**"
 
 
-WHY = """Where the time goes (measured on this machine with cProfile and timers around each phase):
-pyroute2 makes a socket in another namespace by forking a helper, and `netns.create` forks too;
-in a process that has imported torch (the runner has: the scenario model needs it) each fork
-cost 30-45 ms, four or more per host. The lab now adds namespaces with `ip netns add` (spawned,
-not forked) and makes its netlink and ethtool sockets from a thread that entered the
-namespace (`netem.namespace.netlink_in`), as the shaping backend does: the plain 32-worker
-network went from 2.4-4.1 s to 0.65-0.95 s. `ClusterNetwork` builds hosts and shapes ports in
-8 threads, records what it installed (a change reads nothing back) and puts the fallback's loss
-changes of all receivers into one `nft -f` transaction. The announced layout's set-up is
-pyroute2 encoding some 3 netlink requests per link (htb class, fifo leaf, u32 filter),
-CPU-bound in Python. A worker's start was mostly `import torch` (3.3 s of CPU each): 16 fresh
-interpreters needed about 55 CPU-seconds on 2 cores (60.6 s to the first step of all 16 while
-other jobs loaded the machine); the workers are now forked from one zygote that imported torch
-and scikit-learn's loader once (`testbed/cluster/zygote.py`), so a worker's start is its own
-set-up (data, model, collective), and the pages it shares with the zygote count once (PSS)."""
+WHY = """Where the time goes (found with cProfile and timers around each phase; the figures
+above are this run's): pyroute2 makes a socket in another namespace by forking a helper, and
+`netns.create` forks too, which is slow in a process that has imported torch. The lab adds
+namespaces with `ip netns add` (spawned, not forked) and makes its netlink and ethtool sockets
+from a thread that entered the namespace (`netem.namespace.netlink_in`), as the shaping backend
+does. `ClusterNetwork` builds hosts and shapes ports in 8 threads, records what it installed (a
+change reads nothing back) and puts the fallback's loss changes of all receivers into one
+`nft -f` transaction. The announced layout's set-up is pyroute2 encoding some 3 netlink requests
+per link (htb class, fifo leaf, u32 filter), CPU-bound in Python. A fresh worker's start would
+be mostly `import torch`; the workers are forked from one zygote that imported torch and
+scikit-learn's loader once (`testbed/cluster/zygote.py`), so a worker's start is its own set-up
+(data, model, collective), and the pages it shares with the zygote count once (PSS)."""
 
 
 def _counts(text: str) -> list[int]:

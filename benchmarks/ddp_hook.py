@@ -1,0 +1,311 @@
+"""A user's DDP script over the testbed's collectives: plain gloo DDP against the ring, lossy and
+lossy + INT8 communication hooks, on clean and lossy 100 Mbit/s links.
+
+Every cell is one `testbed run` (`ClusterRun`) of a scenario whose job is the user-style script
+`examples/ddp/train.py` (plain DDP) or `examples/ddp/train_lossy.py` (the same script with the
+scenario's collective as DDP's communication hook): four workers, each a process in its own
+network namespace. Two models (train.py's `--hidden`: about 0.1M and 10M parameters), four
+networks (unshaped; 100 Mbit/s per downlink with 0%, 1% and 10% random loss: the host's
+fallback shaping, htb and nftables random drop), four ways to all-reduce the gradients. The
+figures: the mean step time after the warm-up steps (rank 0's own clock, from the script's
+per-step lines) and its ratio to plain DDP's on the same network, the final training loss
+(mean of the last steps'), and whether every replica ended identical.
+Writes benchmarks/results/ddp-hook.md after every cell.
+
+    .venv/bin/python -m benchmarks.ddp_hook [--quick] [--models small,large]
+        [--networks clean,100mbit,...] [--ways plain,ring,...] [--out PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from benchmarks import machine
+from benchmarks.scenario_runs import fmt, run_scenario
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLE = REPO / "examples" / "ddp"
+RESULTS = REPO / "benchmarks" / "results" / "ddp-hook.md"
+WORLD = 4
+FEATURES, CLASSES = 32, 10  # train.py's synthetic task
+
+
+def parameters(hidden: int) -> int:
+    """train.py's model: Linear(FEATURES, hidden), ReLU, Linear(hidden, CLASSES)."""
+    return (FEATURES + 1) * hidden + (hidden + 1) * CLASSES
+
+
+@dataclass(frozen=True)
+class Model:
+    name: str
+    hidden: int
+    steps: int
+    timeout: float  # seconds for the run, start-up included
+
+    @property
+    def parameters(self) -> int:
+        return parameters(self.hidden)
+
+
+MODELS = {
+    "small": Model("small", hidden=2325, steps=60, timeout=240.0),
+    "large": Model("large", hidden=232_558, steps=10, timeout=420.0),
+}
+QUICK_STEPS = {"small": 12, "large": 4}
+WARMUP = 2  # steps left out of the mean: DDP rebuilds its buckets after the first
+LAST = 5  # steps whose training loss is averaged for the final loss
+RATE = 100e6  # bits/s per downlink on the shaped networks
+NETWORKS: dict[str, dict[str, Any]] = {
+    "clean": {},
+    "100mbit": {"rate": "100mbit"},
+    "100mbit-1%": {"rate": "100mbit", "loss": "1%"},
+    "100mbit-10%": {"rate": "100mbit", "loss": "10%"},
+}
+CLEAN = ("clean", "100mbit")  # where the lossy hook should cost at most TARGET_CLEAN x plain
+TARGET_CLEAN = 1.2
+WAYS = ("plain", "ring", "lossy", "lossy-int8")
+
+
+@dataclass(frozen=True)
+class Cell:
+    model: Model
+    network: str
+    way: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.model.name}-{self.network.replace('%', 'pct')}-{self.way}"
+
+    def scenario(self, steps: int) -> dict[str, Any]:
+        """The scenario: the script as the job, the hook's collective as the scenario's."""
+        script = "train.py" if self.way == "plain" else "train_lossy.py"
+        collective: dict[str, Any] = {"kind": "gloo"}
+        if self.way == "ring":
+            collective = {"kind": "ring"}
+        elif self.way.startswith("lossy"):
+            # paced at the link's rate where there is one (the sender's share of it)
+            collective = {"kind": "lossy", "rate": RATE if NETWORKS[self.network] else None}
+            if self.way == "lossy-int8":
+                collective["compressor"] = {"kind": "int8"}
+        topology: dict[str, Any] = {}
+        if NETWORKS[self.network]:
+            topology["default"] = NETWORKS[self.network]
+        return {
+            "name": f"ddp-hook-{self.name}", "workers": WORLD, "topology": topology,
+            "job": {"command": ["python", script, "--steps", str(steps),
+                                "--hidden", str(self.model.hidden)],
+                    "cwd": str(EXAMPLE)},
+            "collective": collective,
+        }
+
+
+@dataclass
+class Outcome:
+    cell: Cell
+    status: str  # ok | timeout | failed
+    steps: int = 0  # steps rank 0 finished
+    step_seconds: float = math.nan
+    final_loss: float = math.nan
+    identical: bool | None = None  # every replica's checksum the same
+    load: float = math.nan  # the 1-minute load average as the cell ended
+    wall: float = math.nan
+    note: str = ""
+
+
+def read_lines(path: Path) -> list[dict[str, Any]]:
+    """The JSON lines a worker's script printed (other lines skipped)."""
+    if not path.exists():
+        return []
+    lines = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            value = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(value, dict):
+            lines.append(value)
+    return lines
+
+
+def run_cell(cell: Cell, steps: int, workdir: Path) -> Outcome:
+    ran = run_scenario(cell.scenario(steps), cell.name, workdir, cell.model.timeout)
+    outcome = Outcome(cell, ran.status, wall=ran.wall, note=ran.note,
+                      load=os.getloadavg()[0])
+    logs = workdir / cell.name / "logs"
+    rank0 = read_lines(logs / "worker-0.stdout")
+    per_step = [line for line in rank0 if "step" in line]
+    outcome.steps = len(per_step)
+    times = [line["seconds"] for line in per_step]
+    if len(times) > WARMUP + 1:
+        outcome.step_seconds = (times[-1] - times[WARMUP]) / (len(times) - 1 - WARMUP)
+    if per_step:
+        outcome.final_loss = statistics.fmean(line["loss"] for line in per_step[-LAST:])
+    checksums = {line["checksum"] for rank in range(WORLD)
+                 for line in read_lines(logs / f"worker-{rank}.stdout") if "checksum" in line}
+    if ran.status == "ok":
+        outcome.identical = len(checksums) == 1
+    return outcome
+
+
+# -- the report ------------------------------------------------------------------------------
+
+def plain_of(outcomes: list[Outcome], cell: Cell) -> Outcome | None:
+    return next((o for o in outcomes if o.cell.model == cell.model
+                 and o.cell.network == cell.network and o.cell.way == "plain"), None)
+
+
+def ratio(outcome: Outcome, outcomes: list[Outcome]) -> float:
+    """Step time over plain DDP's on the same model and network (nan without both)."""
+    plain = plain_of(outcomes, outcome.cell)
+    if plain is None or not plain.step_seconds > 0:
+        return math.nan
+    return outcome.step_seconds / plain.step_seconds
+
+
+def verdict(outcome: Outcome, outcomes: list[Outcome]) -> str:
+    """The lossy hook's target on this network: within TARGET_CLEAN x plain where clean,
+    faster than plain where lossy."""
+    if outcome.cell.way != "lossy":
+        return ""
+    value = ratio(outcome, outcomes)
+    if math.isnan(value):
+        plain = plain_of(outcomes, outcome.cell)
+        if plain is not None and plain.status == "timeout" and outcome.status == "ok":
+            return "PASS (plain timed out)"
+        return "-"
+    if outcome.cell.network in CLEAN:
+        return f"{'PASS' if value <= TARGET_CLEAN else 'miss'} (<= {TARGET_CLEAN}x)"
+    return f"{'PASS' if value < 1 else 'miss'} (< 1x)"
+
+
+def table(outcomes: list[Outcome]) -> list[str]:
+    rows = ["| model | network | way | steps | step s | vs plain | target | final loss "
+            "| replicas | load | status |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for o in outcomes:
+        value = ratio(o, outcomes)
+        replicas = {True: "identical", False: "differ", None: "-"}[o.identical]
+        status = o.status + (f": {o.note}" if o.note and o.status != "ok" else "")
+        rows.append(
+            f"| {o.cell.model.name} ({o.cell.model.parameters / 1e6:.2g}M) | {o.cell.network} "
+            f"| {o.cell.way} | {o.steps} | {fmt(o.step_seconds)} "
+            f"| {'-' if math.isnan(value) else f'{value:.2f}x'} | {verdict(o, outcomes)} "
+            f"| {fmt(o.final_loss, 4)} | {replicas} | {o.load:.1f} | {status} |")
+    return rows
+
+
+def observations(outcomes: list[Outcome]) -> list[str]:
+    """Sentences computed from this run: the targets met and missed."""
+    lossy = [o for o in outcomes if o.cell.way == "lossy"]
+    met = [o for o in lossy if verdict(o, outcomes).startswith("PASS")]
+    missed = [o for o in lossy if verdict(o, outcomes).startswith("miss")]
+    text = [f"The lossy hook met its target in {len(met)} of {len(lossy)} cells."]
+    for o in missed:
+        text.append(f"Missed: {o.cell.model.name} on {o.cell.network}, "
+                    f"{ratio(o, outcomes):.2f}x plain DDP's step.")
+    return text
+
+
+def report(outcomes: list[Outcome], command: str, started: datetime.datetime, elapsed: float,
+           steps: dict[str, int], note: str = "") -> str:
+    models = ", ".join(f"{m.name}: `--hidden {m.hidden}`, {m.parameters:,} parameters, "
+                       f"{steps[m.name]} steps" for m in MODELS.values() if m.name in steps)
+    return "\n".join([
+        "# A user's DDP script: plain gloo DDP against the testbed's collectives as its hook",
+        "",
+        *([f"**{note}**", ""] if note else []),
+        machine.written_by(command, started, elapsed),
+        "",
+        f"How: every cell is one `ClusterRun` of a scenario written by the benchmark, {WORLD} "
+        "workers, each a process in its own network namespace on the lab's bridge, running "
+        "`examples/ddp/train.py` (plain: DDP over torch.distributed gloo, TCP cubic, the "
+        "namespaces' default) or `examples/ddp/train_lossy.py` (the same script with "
+        "`register_comm_hook(state=None, hook=scenario_hook())`: the scenario's collective "
+        "moves the gradients, gloo only DDP's bookkeeping). Models: a 2-layer MLP on a "
+        f"synthetic task, batch 64 per worker, SGD lr 0.1; {models}. Networks: `clean` is "
+        "unshaped; `100mbit` is htb at 100 Mbit/s on every host's downlink, `-1%`/`-10%` add "
+        "nftables random drop on every receiver (this kernel has no sch_netem). Ways: `plain`, "
+        "`ring` (the ring hook over TCP), `lossy` (paced at 100 Mbit/s where the links have a "
+        "rate, unpaced on `clean`; its other options the defaults), `lossy-int8` (lossy with "
+        "the INT8 compressor).",
+        "",
+        f"Columns: `step s` is rank 0's mean step time after {WARMUP} warm-up steps (its own "
+        "clock, from the script's per-step lines); `vs plain` that over plain DDP's on the "
+        f"same model and network; `target` the lossy hook's: at most {TARGET_CLEAN}x plain "
+        "where the network is clean, faster than plain where packets are lost; `final loss` "
+        f"rank 0's training loss, mean of the last {LAST} steps; `replicas` whether every "
+        "worker's parameters ended bit-identical (lossy under loss lets them differ where a "
+        "broadcast chunk was missed); `load` the 1-minute load average as the cell ended "
+        "(2 cores: above 2, the cell shared the CPU with more than its own work).",
+        "",
+        *table(outcomes),
+        "",
+        "## Observations (generated from this run's numbers)",
+        "",
+        " ".join(observations(outcomes)),
+        "",
+    ])
+
+
+def plan(models: list[str], networks: list[str], ways: list[str]) -> list[Cell]:
+    return [Cell(MODELS[m], n, w) for m in models for n in networks for w in ways]
+
+
+def split(value: str, allowed: tuple[str, ...] | list[str], flag: str,
+          parser: argparse.ArgumentParser) -> list[str]:
+    chosen = [item.strip() for item in value.split(",") if item.strip()]
+    unknown = [item for item in chosen if item not in allowed]
+    if unknown or not chosen:
+        parser.error(f"{flag}: expected some of {', '.join(allowed)}, got {value!r}")
+    return chosen
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.ddp_hook",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a few steps per cell")
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--networks", default=",".join(NETWORKS))
+    parser.add_argument("--ways", default=",".join(WAYS))
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    models = split(args.models, list(MODELS), "--models", parser)
+    networks = split(args.networks, list(NETWORKS), "--networks", parser)
+    ways = split(args.ways, WAYS, "--ways", parser)
+    if os.geteuid() != 0:
+        raise SystemExit("needs root: network namespaces and shaping")
+    steps = {m: (QUICK_STEPS[m] if args.quick else MODELS[m].steps) for m in models}
+    command = machine.command("benchmarks.ddp_hook")
+    started_at = datetime.datetime.now(datetime.UTC)
+    started = time.monotonic()
+    cells = plan(models, networks, ways)
+    outcomes: list[Outcome] = []
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="tb-ddp-hook-") as tmp:
+        for number, cell in enumerate(cells, start=1):
+            outcome = run_cell(cell, steps[cell.model.name], Path(tmp))
+            outcomes.append(outcome)
+            print(f"[{number}/{len(cells)} {(time.monotonic() - started) / 60:.1f} min] "
+                  f"{cell.name}: {outcome.status}, step {fmt(outcome.step_seconds)} s, "
+                  f"loss {fmt(outcome.final_loss, 4)}, load {outcome.load:.1f} {outcome.note}",
+                  file=sys.stderr, flush=True)
+            partial = "" if number == len(cells) else (
+                f"Partial: {number} of {len(cells)} cells so far.")
+            args.out.write_text(report(outcomes, command, started_at,
+                                       time.monotonic() - started, steps, note=partial))
+    print(args.out.read_text())
+
+
+if __name__ == "__main__":
+    main()
