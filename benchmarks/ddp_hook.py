@@ -238,7 +238,9 @@ def report(outcomes: list[Outcome], command: str, started: datetime.datetime, el
         "nftables random drop on every receiver (this kernel has no sch_netem). Ways: `plain`, "
         "`ring` (the ring hook over TCP), `lossy` (paced at 100 Mbit/s where the links have a "
         "rate, unpaced on `clean`; its other options the defaults), `lossy-int8` (lossy with "
-        "the INT8 compressor).",
+        "the INT8 compressor, whose two-step all-reduce travels on lossy's TCP mesh, not its "
+        "datagrams: quantized bytes are not self-describing per datagram, so under loss it pays "
+        "what TCP pays).",
         "",
         f"Columns: `step s` is rank 0's mean step time after {WARMUP} warm-up steps (its own "
         "clock, from the script's per-step lines); `vs plain` that over plain DDP's on the "
