@@ -130,10 +130,17 @@ class ProbeResult:
     rate_frame_bytes: int = 0
     rate_offered: float | None = None  # what the bulk train's sender achieved, bits/s
     stalled: int = 0  # arrivals left out of the delay figures: in flight while the sender stalled
+    trains: int = 1  # timed trains sent: the ones before the last found the host too busy
 
     @property
     def frame_bytes(self) -> int:
         return self.size + FRAME_OVERHEAD
+
+    @property
+    def too_busy(self) -> bool:
+        """More than MAX_STALLED of the arrivals were in flight while the sender stalled: the
+        host, not the link, decided too many delays for the rest to speak for the link."""
+        return self.stalled > MAX_STALLED * max(self.arrivals, 1)
 
 
 def in_flight_during(windows: np.ndarray, sent_ns: np.ndarray,
@@ -460,9 +467,10 @@ def _delay_checks(configured: LinkProfile, result: ProbeResult,
                   timing_floor: float) -> list[Check]:
     """Mean and spread of the one-way delay: a mixture of packets sent at once (the reordered
     fraction f) and packets delayed by delay +- jitter, plus the serialisation at the rate."""
-    if result.stalled > MAX_STALLED * max(result.arrivals, 1):
+    if result.too_busy:
+        trains = f" (in the last of {result.trains} trains)" if result.trains > 1 else ""
         note = (f"{result.stalled} of {result.arrivals} probes were in flight while the "
-                "sender stalled: the host was too busy to judge delay; probe again")
+                f"sender stalled{trains}: the host was too busy to judge delay; probe again")
         return [
             _skipped("delay mean", "seconds", result.delay_mean, note),
             _skipped("jitter (stdev)", "seconds", result.delay_stdev, note),

@@ -449,15 +449,25 @@ def probe(
     rate_duration: float = 0.0,
     offered_rate: float | None = None,
     timeout: float = 5.0,
+    trains: int = 3,
 ) -> ProbeResult:
     """Measure the link from namespace `source` to `address` in namespace `destination` (None:
     this process's namespace): a timed probe train, then, if `rate_duration` > 0, a bulk train
-    for the rate."""
-    result = analyze(
-        run_train(
-            source, destination, address, count=count, interval=interval, size=size, timeout=timeout
+    for the rate. A timed train that found the host too busy to time it (`too_busy`: the sender
+    stalled while a fifth of the probes were in flight) is sent again, `trains` at most; the
+    result is the last train's, and says how many were sent."""
+    if trains < 1:
+        raise ProbeError(f"trains: expected at least 1, got {trains}")
+    sent = 0
+    while True:
+        sent += 1
+        result = analyze(
+            run_train(source, destination, address, count=count, interval=interval, size=size,
+                      timeout=timeout)
         )
-    )
+        if sent == trains or not result.too_busy:
+            break
+    result = replace(result, trains=sent)
     if rate_duration <= 0:
         return result
     bulk = measure_rate(

@@ -459,3 +459,28 @@ def test_a_host_too_busy_to_judge_delay_skips_the_delay_checks():
     assert checks["jitter (stdev)"].passed is None
     calm = perfect(delay_mean=0.0100, delay_stdev=0.0, stalled=10)
     assert by_name(compare(profile, calm))["delay mean"].passed is True
+
+
+@pytest.mark.parametrize(("busy_trains", "sent", "judged"), [(0, 1, True), (2, 3, True),
+                                                             (3, 3, False)])
+def test_a_train_the_host_was_too_busy_to_time_is_sent_again(monkeypatch, busy_trains, sent,
+                                                             judged):
+    """The engine's trains are stood in for by synthetic ones: the first `busy_trains` stalled
+    while every probe was in flight, the rest did not."""
+    n, sends = 1000, []
+    stalled = np.array([[0, 10**12]])
+
+    def run_train(*args, **kwargs) -> Train:
+        sends.append(kwargs)
+        busy = len(sends) <= busy_trains
+        return train(np.arange(n), sent=n, **({"stalls": stalled} if busy else {}))
+
+    monkeypatch.setattr("netem.probe.engine.run_train", run_train)
+    result = probe("a", "b", "198.18.0.2", count=n, trains=3)
+    assert len(sends) == sent and result.trains == sent and result.too_busy is not judged
+    delay = by_name(compare(LinkProfile.parse(delay="10ms"), result))["delay mean"]
+    assert delay.passed is (True if judged else None)
+    if not judged:
+        assert "in the last of 3 trains" in delay.note
+    with pytest.raises(ProbeError, match="trains: expected at least 1"):
+        probe("a", "b", "198.18.0.2", trains=0)
