@@ -753,7 +753,7 @@ def compose(
         typer.echo("capture: not under Compose (testbed run captures links; in a container, "
                    "tcpdump on eth0 does)", err=True)
     typer.echo(f"compose project: {written}")
-    typer.echo(f"run it:          docker compose -f {written} up")
+    typer.echo(f"run it:          docker compose -f {written} --profile monitoring up --build")
     typer.echo("then open        http://127.0.0.1:3000 (Grafana), http://127.0.0.1:9090 "
                "(Prometheus); the run directory lands in " f"{written.parent / 'runs'}")
 

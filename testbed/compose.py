@@ -3,18 +3,22 @@
 One service per worker (`worker-N`, the worker image running `testbed node`, see
 `testbed.cluster.node`), at a fixed address on a user-defined bridge, with `cap_add:
 [NET_ADMIN]` (to shape its own ingress), `init: true` (signals reach the worker; `down` does
-not wait out a timeout), and `restart: on-failure` only for the workers the timeline restarts
-(a preempted worker exits by SIGKILL and Docker brings it back); Prometheus scraping every
-worker, and Grafana with the provisioned datasource and dashboards (grafana/). Published
-ports are on 127.0.0.1 only.
+not wait out a timeout), a healthcheck on its metrics endpoint, and `restart: on-failure` only
+for the workers the timeline restarts (a preempted worker exits by SIGKILL and Docker brings it
+back). Under the `monitoring` profile, Prometheus (its data in a named volume) scrapes the
+workers that worker 0 lists for the run (`runs/prometheus-targets.json`, each run its own `run`
+label) and Grafana shows them with the provisioned datasource and dashboards (grafana/).
+Published ports are on 127.0.0.1 only.
 
-The project is generated from the scenario file each time (nothing to keep in sync by hand):
-the scenario is copied beside it, and `check_compose` says whether a project still matches.
+The project is portable: every path in it is relative to its directory (the build context is
+the checkout, reached relatively; the dashboards are copied beside the file), and the image's
+build is written once (a YAML anchor every worker refers to). It is generated from the scenario
+file each time (nothing to keep in sync by hand): the scenario is copied beside it, and
+`check_compose` says whether a project still matches.
 """
 
 from __future__ import annotations
 
-import copy
 import ipaddress
 import os
 import shutil
@@ -24,7 +28,8 @@ from typing import Any
 import yaml
 
 from netem.extras import require
-from testbed.cluster.node import preempting
+from testbed.cluster.node import preempting, service_name
+from testbed.cluster.relay import TARGETS_FILE
 from testbed.cluster.worker import PORTS
 from testbed.scenario import load_scenario
 from testbed.scenario.model import Scenario
@@ -38,6 +43,11 @@ GRAFANA_IMAGE = "grafana/grafana:11.2.0"
 PROMETHEUS_PORT, GRAFANA_PORT = 9090, 3000
 SCRAPE_INTERVAL = "2s"
 FILE, PROMETHEUS_CONFIG, SCENARIO_COPY = "docker-compose.yaml", "prometheus.yml", "scenario.yaml"
+MONITORING = "monitoring"  # the profile of Prometheus and Grafana
+GRAFANA_DIRS = ("provisioning", "dashboards")  # copied from grafana/ into the project
+# A worker's first answer on its metrics endpoint comes after it imported torch: a minute or
+# more on a busy host; until then failed checks do not count.
+WORKER_START = "180s"
 
 
 class ComposeError(ValueError):
@@ -58,19 +68,29 @@ def check_scenario(scenario: Scenario) -> None:
                            "the run's store and must stay up (preempt another worker)")
 
 
+def _fetch(url: str) -> str:
+    """Python that fails unless `url` answers."""
+    return f"import urllib.request as u; u.urlopen('{url}', timeout=3)"
+
+
 def compose_project(scenario: Scenario, *, steps: int | None = None, subnet: str = SUBNET,
-                    root: Path = ROOT, job_files: str | None = None) -> dict[str, Any]:
+                    context: str = "../../..", job_files: str | None = None) -> dict[str, Any]:
     """The Compose project (as a dict) for `scenario`, whose copy sits beside the file;
+    `context`: the checkout (the image's build context), relative to the project's directory;
     `job_files`: a command job's directory (the scenario file's), relative to the project's,
-    mounted read-only at /job in every worker."""
+    mounted read-only at /job in every worker. The workers share one `build` and one
+    `healthcheck` object, which the file writes once and refers to."""
     check_scenario(scenario)
     hosts = worker_addresses(scenario.count, subnet)
     restarted = {rank for rank, events in preempting(scenario).items()
                  if any(event.action == "restart" for event in events)}
     network = ipaddress.ip_network(subnet)
-    build = {"context": str(root), "dockerfile": "compose/Dockerfile",
+    build = {"context": context, "dockerfile": "compose/Dockerfile",
              "args": {"BASE_IMAGE": "${BASE_IMAGE:-python:3.11-slim-bookworm}",
                       "PIP_OPTIONS": "${PIP_OPTIONS:-}"}}
+    metrics = f"http://127.0.0.1:{PORTS['metrics']}/metrics"
+    health = {"test": ["CMD", "python", "-c", _fetch(metrics)], "interval": "5s",
+              "timeout": "5s", "retries": 3, "start_period": WORKER_START}
     services: dict[str, Any] = {}
     for rank in range(scenario.count):
         command = ["node", f"/scenario/{SCENARIO_COPY}", "--rank", str(rank),
@@ -79,83 +99,93 @@ def compose_project(scenario: Scenario, *, steps: int | None = None, subnet: str
             command += ["--steps", str(steps)]
         if job_files is not None:
             command += ["--base-dir", "/job"]
-        services[f"worker-{rank}"] = {
+        service: dict[str, Any] = {
             "image": WORKER_IMAGE,
-            "build": copy.deepcopy(build),  # a copy each: no YAML anchors in the file
+            "build": build,
             "command": command,
             "cap_add": ["NET_ADMIN"],
             "init": True,
             "restart": "on-failure" if rank in restarted else "no",
             "stop_grace_period": "5s",
+            "healthcheck": health,
             "volumes": [f"./{SCENARIO_COPY}:/scenario/{SCENARIO_COPY}:ro", "./runs:/runs",
                         *([f"{job_files}:/job:ro"] if job_files is not None else [])],
             "networks": {"testbed": {"ipv4_address": hosts[rank]}},
             "labels": {"testbed.scenario": scenario.name, "testbed.rank": str(rank)},
         }
+        if rank:  # worker 0 serves the run's store; the others wait for it there
+            service["depends_on"] = {service_name(0): {"condition": "service_started"}}
+        services[service_name(rank)] = service
+    ready = f"http://127.0.0.1:{PROMETHEUS_PORT}/-/ready"
     services["prometheus"] = {
         "image": f"${{PROMETHEUS_IMAGE:-{PROMETHEUS_IMAGE}}}",
+        "profiles": [MONITORING],
         "entrypoint": ["prometheus"],
         "command": [f"--config.file=/etc/prometheus/{PROMETHEUS_CONFIG}",
                     "--storage.tsdb.path=/prometheus", f"--web.listen-address=:{PROMETHEUS_PORT}"],
-        "volumes": [f"./{PROMETHEUS_CONFIG}:/etc/prometheus/{PROMETHEUS_CONFIG}:ro"],
+        "volumes": [f"./{PROMETHEUS_CONFIG}:/etc/prometheus/{PROMETHEUS_CONFIG}:ro",
+                    "./runs:/runs:ro", "prometheus-data:/prometheus"],
         "ports": [f"127.0.0.1:{PROMETHEUS_PORT}:{PROMETHEUS_PORT}"],
         "init": True,
+        # prom/prometheus has busybox's wget; the image built from Debian's package, Python
+        "healthcheck": {"test": ["CMD-SHELL", f"wget -q -O /dev/null {ready} 2>/dev/null || "
+                                 f"python3 -c \"{_fetch(ready)}\""],
+                        "interval": "2s", "timeout": "5s", "retries": 30},
         "networks": {"testbed": {"ipv4_address": str(network[2])}},
     }
     services["grafana"] = {
         "image": f"${{GRAFANA_IMAGE:-{GRAFANA_IMAGE}}}",
+        "profiles": [MONITORING],
         "environment": {"GF_AUTH_ANONYMOUS_ENABLED": "true",
                         "GF_AUTH_ANONYMOUS_ORG_ROLE": "Viewer",
                         "GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH":
                             "/var/lib/grafana/dashboards/overview.json"},
-        "volumes": [f"{root / 'grafana' / 'provisioning'}:/etc/grafana/provisioning:ro",
-                    f"{root / 'grafana' / 'dashboards'}:/var/lib/grafana/dashboards:ro"],
+        "volumes": ["./grafana/provisioning:/etc/grafana/provisioning:ro",
+                    "./grafana/dashboards:/var/lib/grafana/dashboards:ro"],
         "ports": [f"127.0.0.1:{GRAFANA_PORT}:{GRAFANA_PORT}"],
-        "depends_on": ["prometheus"],
+        "depends_on": {"prometheus": {"condition": "service_healthy"}},
         "networks": {"testbed": {"ipv4_address": str(network[3])}},
     }
     return {
         "name": f"testbed-{project_name(scenario.name)}",
         "services": services,
         "networks": {"testbed": {"driver": "bridge", "ipam": {"config": [{"subnet": subnet}]}}},
+        "volumes": {"prometheus-data": {}},
     }
 
 
-def prometheus_config(scenario: Scenario, subnet: str = SUBNET) -> dict[str, Any]:
-    """Scrape every worker with the labels the dashboards filter on (scenario, run, worker)."""
-    hosts = worker_addresses(scenario.count, subnet)
-    ports = {"testbed": PORTS["metrics"]}
-    if scenario.command is not None and scenario.command.metrics_port is not None:
-        ports["program"] = scenario.command.metrics_port  # a command job's own metrics
+def prometheus_config() -> dict[str, Any]:
+    """Scrape the targets worker 0 lists for the current run (`runs/prometheus-targets.json`,
+    labelled with the scenario, the run and the worker the dashboards filter on)."""
     return {
         "global": {"scrape_interval": SCRAPE_INTERVAL, "evaluation_interval": SCRAPE_INTERVAL},
         "scrape_configs": [{
             "job_name": "testbed",
-            "static_configs": [
-                {"targets": [f"{host}:{port}"],
-                 "labels": {"scenario": scenario.name, "run": "compose", "worker": str(rank),
-                            "source": source}}
-                for source, port in ports.items() for rank, host in enumerate(hosts)
-            ],
+            "file_sd_configs": [{"files": [f"/runs/{TARGETS_FILE}"],
+                                 "refresh_interval": SCRAPE_INTERVAL}],
         }],
     }
 
 
 def write_project(scenario_path: Path, out: Path, *, steps: int | None = None,
-                  subnet: str = SUBNET) -> Path:
+                  subnet: str = SUBNET, root: Path = ROOT) -> Path:
     """Write the project for the scenario at `scenario_path` into `out` (the compose file, the
-    scenario's copy, Prometheus's config, `runs/`); returns the compose file's path."""
+    scenario's copy, Prometheus's config, the dashboards, `runs/`); returns the compose file's
+    path. Every path in it is relative to `out`."""
     scenario = load_scenario(scenario_path, steps=steps)
     out.mkdir(parents=True, exist_ok=True)
     (out / "runs").mkdir(exist_ok=True)
     if scenario_path.resolve() != (out / SCENARIO_COPY).resolve():
         shutil.copyfile(scenario_path, out / SCENARIO_COPY)
-    (out / PROMETHEUS_CONFIG).write_text(_dump(prometheus_config(scenario, subnet)))
+    (out / PROMETHEUS_CONFIG).write_text(_dump(prometheus_config()))
+    for name in GRAFANA_DIRS:
+        shutil.copytree(root / "grafana" / name, out / "grafana" / name, dirs_exist_ok=True)
     path = out / FILE
     job_files = None
     if scenario.command is not None:  # the user's files, where the scenario file is
         job_files = os.path.relpath(scenario_path.resolve().parent, out.resolve())
-    path.write_text(_dump(compose_project(scenario, steps=steps, subnet=subnet,
+    context = os.path.relpath(root.resolve(), out.resolve())
+    path.write_text(_dump(compose_project(scenario, steps=steps, subnet=subnet, context=context,
                                           job_files=job_files)))
     return path
 
@@ -164,14 +194,15 @@ def check_compose(directory: Path) -> list[str]:
     """How the project in `directory` differs from what its scenario copy makes now (empty:
     in sync). Steps and subnet are taken from the project itself."""
     project = yaml.safe_load((directory / FILE).read_text())
-    first = project["services"]["worker-0"]["command"]
-    steps = int(first[first.index("--steps") + 1]) if "--steps" in first else None
+    first = project["services"][service_name(0)]
+    steps = (int(first["command"][first["command"].index("--steps") + 1])
+             if "--steps" in first["command"] else None)
     subnet = project["networks"]["testbed"]["ipam"]["config"][0]["subnet"]
     scenario = load_scenario(directory / SCENARIO_COPY, steps=steps)
-    volumes = project["services"]["worker-0"]["volumes"]
-    job_files = next((v.rsplit(":", 2)[0] for v in volumes if ":/job:" in v), None)
-    wanted = {FILE: compose_project(scenario, steps=steps, subnet=subnet, job_files=job_files),
-              PROMETHEUS_CONFIG: prometheus_config(scenario, subnet)}
+    job_files = next((v.rsplit(":", 2)[0] for v in first["volumes"] if ":/job:" in v), None)
+    wanted = {FILE: compose_project(scenario, steps=steps, subnet=subnet, job_files=job_files,
+                                    context=first["build"]["context"]),
+              PROMETHEUS_CONFIG: prometheus_config()}
     return [name for name, data in wanted.items()
             if yaml.safe_load((directory / name).read_text()) != data]
 
@@ -181,9 +212,20 @@ def project_name(name: str) -> str:
     return "".join(c if c.isalnum() else "-" for c in name.lower()).strip("-") or "scenario"
 
 
+class _Dumper(yaml.SafeDumper):
+    """Names an object written once and referred to after (`&worker-build`, `*worker-build`)
+    by what it is, instead of PyYAML's `id001`."""
+
+    def generate_anchor(self, node: yaml.Node) -> str:
+        keys = {key.value for key, _ in node.value} if isinstance(node, yaml.MappingNode) else set()
+        return ("worker-build" if "dockerfile" in keys
+                else "worker-healthcheck" if "start_period" in keys
+                else super().generate_anchor(node))
+
+
 def _dump(data: dict[str, Any]) -> str:
     header = "# Generated by `testbed compose`; regenerate it rather than editing it.\n"
-    return header + yaml.safe_dump(data, sort_keys=False, width=100)
+    return header + yaml.dump(data, Dumper=_Dumper, sort_keys=False, width=100)
 
 
 def default_directory(scenario: Scenario) -> Path:

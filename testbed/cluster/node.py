@@ -22,6 +22,7 @@ Everything else is the namespace worker's (`testbed.cluster.worker.Worker`).
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import signal
 import sys
@@ -31,6 +32,7 @@ from typing import Any
 
 import netem
 from netem.profile import LinkProfile
+from testbed.cluster.relay import TARGETS_FILE, target_groups
 from testbed.cluster.shaped import ShapedNetwork
 from testbed.cluster.timeline import Timeline
 from testbed.cluster.worker import (
@@ -48,6 +50,11 @@ STORE_WAIT = 300.0  # seconds a node waits for worker 0's store and run director
 END_WAIT = 600.0  # seconds worker 0 waits for the others' ends before writing the summary
 POLL = 0.2  # seconds between looks at the store while waiting for a restart to be due
 RUN_KEY, ORIGIN_KEY, ID_KEY = "compose/run", "compose/origin", "compose/run_id"
+
+
+def service_name(rank: int) -> str:
+    """Worker `rank`'s Compose service (and its name on the project's network)."""
+    return f"worker-{rank}"
 
 
 class IngressLinks(ShapedNetwork):
@@ -161,11 +168,27 @@ class Node:
                                compose=True)
             self._client.set(ID_KEY, str(int.from_bytes(os.urandom(4), "big")))
             self._client.set(RUN_KEY, run_dir.name)
+            self._write_targets(run_dir.name)
             return run_dir
         run_dir = self.runs / self._client.get(RUN_KEY).decode()
         if self.rank == 0:
             self._writer = RunWriter.open(run_dir)
         return run_dir
+
+    def _write_targets(self, run: str) -> None:
+        """This run's scrape targets for the project's Prometheus (`runs/TARGETS_FILE`): every
+        worker at its address, labelled with the run, so each run's series are its own.
+        Replaced whole, so Prometheus never reads half of it."""
+        ports = {"testbed": PORTS["metrics"]}
+        if self.scenario.command is not None and self.scenario.command.metrics_port is not None:
+            ports["program"] = self.scenario.command.metrics_port  # a command job's own
+        labels = {"scenario": self.scenario.name, "run": run}
+        groups = [group for source, port in ports.items() for group in target_groups(
+            [f"{host}:{port}" for host in self.hosts],
+            {**labels, "source": source})]
+        part = self.runs / f".{TARGETS_FILE}.part"
+        part.write_text(json.dumps(groups, indent=2) + "\n")
+        part.replace(self.runs / TARGETS_FILE)
 
     def _finish(self, run_dir: Path, code: int) -> None:
         """Worker 0, at its end: wait for every worker's end, then the summary and report."""

@@ -5,7 +5,9 @@ touches the host's routes (two runs on one subnet never clash). To let a browser
 Prometheus on the host scrape them anyway, a `MetricsRelay` listens on the host's loopback, one
 port per worker, and forwards each connection to that worker's endpoint through a socket made
 inside the worker's namespace (a socket stays in the namespace it was made in).
-`targets()` is a Prometheus `file_sd_configs` document of the host-side addresses.
+`targets()` is a Prometheus `file_sd_configs` document of the host-side addresses
+(`target_groups`: the same document for any placement's addresses; a Compose run's worker 0
+writes one of the containers).
 """
 
 from __future__ import annotations
@@ -17,8 +19,17 @@ from collections.abc import Sequence
 
 from netem.namespace import inside
 
+TARGETS_FILE = "prometheus-targets.json"  # a run's file_sd document of its workers' endpoints
 CONNECT_TIMEOUT = 5.0  # seconds to reach a worker's endpoint from its namespace
 CHUNK = 1 << 16
+
+
+def target_groups(targets: Sequence[str], labels: dict[str, str]) -> list[dict[str, object]]:
+    """A Prometheus file_sd document: one target group per worker (`targets[rank]`, host:port),
+    labelled with `labels` and its rank as `worker` (the workers' own metrics carry `rank` too;
+    this one names the scrape target)."""
+    return [{"targets": [target], "labels": {**labels, "worker": str(rank)}}
+            for rank, target in enumerate(targets)]
 
 
 class MetricsRelay:
@@ -60,11 +71,8 @@ class MetricsRelay:
         return [f"http://{self.host}:{port}/metrics" for port in self.ports]
 
     def targets(self, labels: dict[str, str] | None = None) -> list[dict[str, object]]:
-        """A Prometheus file_sd document: one target group per worker, labelled with its rank
-        (the workers' own metrics carry `rank` too; this one names the scrape target)."""
-        return [{"targets": [f"{self.host}:{port}"],
-                 "labels": {**(labels or {}), "worker": str(rank)}}
-                for rank, port in enumerate(self.ports)]
+        """`target_groups` of the host-side addresses."""
+        return target_groups([f"{self.host}:{port}" for port in self.ports], labels or {})
 
     def close(self) -> None:
         """Stop listening and cut every forwarded connection."""

@@ -33,7 +33,7 @@ from typing import Any
 from netem.namespace import inside
 from testbed.cluster.capture import RunCapture
 from testbed.cluster.network import ClusterNetwork
-from testbed.cluster.relay import MetricsRelay
+from testbed.cluster.relay import TARGETS_FILE, MetricsRelay
 from testbed.cluster.timeline import Timeline
 from testbed.cluster.worker import (
     PORTS,
@@ -49,7 +49,7 @@ from testbed.scenario.model import Event
 
 STOP_GRACE = 10.0  # seconds a worker gets to end after SIGTERM before SIGKILL
 POLL = 0.2  # seconds between looks at the workers when none of them says anything
-PROMETHEUS_TARGETS = "prometheus-targets.json"  # file_sd of the workers' relayed endpoints
+PROMETHEUS_TARGETS = TARGETS_FILE  # file_sd of the workers' relayed endpoints
 
 
 class RunTimeout(TimeoutError):

@@ -76,6 +76,13 @@ def _workers(project: Path) -> dict[str, tuple[str, str]]:
             if (fields := line.split()) and fields[0].startswith("worker-")}
 
 
+def _health(project: Path) -> dict[str, str]:
+    """Each running service's healthcheck status."""
+    listing = _compose(project, "ps", "--format", "{{.Service}} {{.Health}}")
+    return {fields[0]: fields[1] if len(fields) > 1 else "none"
+            for line in listing.stdout.splitlines() if (fields := line.split())}
+
+
 def _ended(states: dict[str, tuple[str, str]]) -> bool:
     """Whether every worker has exited (restarts done)."""
     return bool(states) and all(state == "exited" for state, _ in states.values())
@@ -139,6 +146,14 @@ def test_a_compose_run_is_shaped_scraped_live_and_leaves_nothing(docker_engine, 
                           lambda: _query("testbed_step"),
                           lambda found: len(found) == 3 and min(found.values()) > 40)
         assert {key.split("rank=")[1].split(",")[0] for key in steps} == {"0", "1", "2"}
+        # Worker 0 listed this run's targets: one `run` label, its run directory's name.
+        run_labels = {key.split("run=")[1].split(",")[0] for key in steps}
+        assert len(run_labels) == 1, steps
+        # Every container's healthcheck passes while the run is live (the workers' metrics
+        # endpoints, Prometheus ready).
+        _wait_for("every service healthy", lambda: _health(project),
+                  lambda health: len(health) == 4 and set(health.values()) == {"healthy"},
+                  timeout=60)
 
         # The link 0->1 was set to 40% loss at step 10, in worker 1's container only: its
         # gauge says so (the others keep 1%), and the sequence numbers show the loss there.
@@ -195,8 +210,9 @@ def test_a_compose_run_is_shaped_scraped_live_and_leaves_nothing(docker_engine, 
             ["docker", "inspect", "-f", "{{.RestartCount}}", f"{name}-worker-2-1"],
             capture_output=True, text=True).stdout.strip()
         assert restarts == "1", restarts
-        runs = list((project.parent / "runs").iterdir())
+        runs = [path for path in (project.parent / "runs").iterdir() if path.is_dir()]
         assert len(runs) == 1, runs
+        assert run_labels == {runs[0].name}, (run_labels, runs)
         summary = json.loads((runs[0] / "summary.json").read_text())
         assert summary["success"] is True, summary
         assert (runs[0] / "index.html").exists()
@@ -213,6 +229,23 @@ def test_a_compose_run_is_shaped_scraped_live_and_leaves_nothing(docker_engine, 
         ["docker", "network", "ls", "-q", "--filter", f"label=com.docker.compose.project={name}"],
         capture_output=True, text=True).stdout.split()
     assert not left and not networks, (left, networks)
+
+
+def test_compose_itself_takes_the_project_and_its_monitoring_profile(docker_engine, tmp_path):
+    """`docker compose config` reads the generated file as it is (anchors, profiles,
+    healthcheck conditions, the named volume); the workers run without the monitoring profile,
+    Prometheus and Grafana with it."""
+    from testbed.scenario import scenario_files
+
+    quickstart = next(path for path in scenario_files() if path.stem == "quickstart")
+    project = write_project(quickstart, tmp_path / "project")
+    _compose(project, "config", "-q")
+    workers = {f"worker-{rank}" for rank in range(4)}
+    assert set(_compose(project, "config", "--services").stdout.split()) == workers
+    monitored = _compose(project, "--profile", "monitoring", "config", "--services")
+    assert set(monitored.stdout.split()) == workers | {"prometheus", "grafana"}
+    volumes = _compose(project, "--profile", "monitoring", "config", "--volumes")
+    assert volumes.stdout.split() == ["prometheus-data"]
 
 
 def test_the_quickstart_needs_netem_and_says_so_where_the_kernel_lacks_it(docker_engine,

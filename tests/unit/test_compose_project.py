@@ -4,19 +4,26 @@ loopback only); and a node's view of the links into it (`IngressLinks`), without
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 
 import pytest
 import yaml
 
 from netem.profile import LinkProfile
-from testbed.cluster.node import IngressLinks, preempting
+from testbed.cluster.node import IngressLinks, Node, preempting, service_name
+from testbed.cluster.relay import TARGETS_FILE
+from testbed.cluster.worker import PORTS
 from testbed.compose import (
     FILE,
+    MONITORING,
     PROMETHEUS_CONFIG,
+    ROOT,
     SCENARIO_COPY,
     ComposeError,
     check_compose,
+    default_directory,
     worker_addresses,
     write_project,
 )
@@ -25,31 +32,71 @@ from testbed.scenario.links import CUT
 
 
 @pytest.mark.parametrize("path", scenario_files(), ids=lambda path: path.stem)
-def test_every_shipped_scenario_makes_a_project_in_step_with_it(path: Path, tmp_path: Path):
+def test_every_shipped_scenario_makes_a_portable_project_in_step_with_it(path: Path,
+                                                                        tmp_path: Path):
     written = write_project(path, tmp_path)
     scenario = load_scenario(path)
-    project = yaml.safe_load(written.read_text())
+    text = written.read_text()
+    project = yaml.safe_load(text)
     workers = {name: service for name, service in project["services"].items()
                if name.startswith("worker-")}
-    assert sorted(workers) == sorted(f"worker-{r}" for r in range(scenario.count))
+    assert sorted(workers) == sorted(service_name(r) for r in range(scenario.count))
     restarted = {rank for rank, events in preempting(scenario).items()
                  if any(event.action == "restart" for event in events)}
     hosts = worker_addresses(scenario.count)
     for rank in range(scenario.count):
-        service = workers[f"worker-{rank}"]
+        service = workers[service_name(rank)]
         assert service["cap_add"] == ["NET_ADMIN"] and "privileged" not in service
         assert service["init"] is True
         assert service["restart"] == ("on-failure" if rank in restarted else "no")
         assert service["networks"]["testbed"]["ipv4_address"] == hosts[rank]
         assert service["command"][service["command"].index("--hosts") + 1] == ",".join(hosts)
-    for service in project["services"].values():
+        assert service["healthcheck"]["test"][:2] == ["CMD", "python"]
+        assert "/metrics" in service["healthcheck"]["test"][-1]
+        assert service.get("depends_on") == (
+            None if rank == 0 else {"worker-0": {"condition": "service_started"}})
+    # Written once, referred to by every other worker.
+    assert text.count("build: &worker-build") == 1
+    assert text.count("build: *worker-build") == scenario.count - 1
+    assert text.count("healthcheck: *worker-healthcheck") == scenario.count - 1
+    # Portable: every host path is relative to the project; the build context reaches the
+    # checkout from it, and the dashboards are beside the file.
+    assert not os.path.isabs(workers["worker-0"]["build"]["context"])
+    assert str(tmp_path) not in text
+    services = project["services"]
+    host_paths = [volume.split(":")[0] for service in services.values()
+                  for volume in service.get("volumes", [])]
+    assert all(p.startswith("./") or p == "prometheus-data" for p in host_paths), host_paths
+    context = tmp_path / workers["worker-0"]["build"]["context"]
+    assert (context / "compose" / "Dockerfile").exists()
+    for volume in services["grafana"]["volumes"]:
+        assert (tmp_path / volume.split(":")[0]).is_dir(), volume
+    # Monitoring: a profile of its own, Prometheus' data in a named volume, Grafana once
+    # Prometheus is ready; published ports on loopback only.
+    for name in ("prometheus", "grafana"):
+        assert services[name]["profiles"] == [MONITORING]
+    assert "prometheus-data:/prometheus" in services["prometheus"]["volumes"]
+    assert project["volumes"] == {"prometheus-data": {}}
+    assert "/-/ready" in services["prometheus"]["healthcheck"]["test"][-1]
+    assert services["grafana"]["depends_on"] == {"prometheus": {"condition": "service_healthy"}}
+    for service in services.values():
         assert all(port.startswith("127.0.0.1:") for port in service.get("ports", []))
-    targets = yaml.safe_load((tmp_path / PROMETHEUS_CONFIG).read_text())
-    scraped = targets["scrape_configs"][0]["static_configs"]
-    assert [group["labels"]["worker"] for group in scraped] == [
-        str(r) for r in range(scenario.count)]
+    config = yaml.safe_load((tmp_path / PROMETHEUS_CONFIG).read_text())
+    (scrape,) = config["scrape_configs"]
+    assert scrape["file_sd_configs"] == [{"files": [f"/runs/{TARGETS_FILE}"],
+                                          "refresh_interval": "2s"}]
     assert (tmp_path / SCENARIO_COPY).read_text() == path.read_text()
     assert check_compose(tmp_path) == []
+
+
+def test_the_default_project_reaches_the_checkout_by_a_path_that_moves_with_it():
+    scenario = load_scenario(scenario_files()[0])
+    out = default_directory(scenario)
+    assert out.is_relative_to(ROOT / "build")
+    written = write_project(scenario_files()[0], out)
+    assert str(ROOT) not in written.read_text()
+    build = yaml.safe_load(written.read_text())["services"]["worker-0"]["build"]
+    assert build["context"] == "../../.."
 
 
 def test_a_project_out_of_step_with_its_scenario_is_found(tmp_path: Path):
@@ -58,7 +105,26 @@ def test_a_project_out_of_step_with_its_scenario_is_found(tmp_path: Path):
     text = copy.read_text()
     assert "workers: 4" in text
     copy.write_text(text.replace("workers: 4", "workers: 3"))
-    assert check_compose(tmp_path) == [FILE, PROMETHEUS_CONFIG]
+    assert check_compose(tmp_path) == [FILE]
+
+
+def test_worker_0_lists_each_runs_targets_for_prometheus(tmp_path: Path):
+    """Each run gets its own `run` label: worker 0 replaces the project's file_sd document when
+    it starts a run; a command job's own metrics port is listed beside the testbed's."""
+    scenario = tmp_path / "s.yaml"
+    scenario.write_text("name: s\nworkers: 2\njob:\n  command: [python, t.py]\n"
+                        "  metrics_port: 8000\n")
+    hosts = worker_addresses(2)
+    node = Node(scenario, 0, hosts, tmp_path)
+    for run in ("s-20261126-010000", "s-20261126-020000"):
+        node._write_targets(run)
+        groups = json.loads((tmp_path / TARGETS_FILE).read_text())
+        assert groups == [
+            {"targets": [f"{host}:{port}"],
+             "labels": {"scenario": "s", "run": run, "source": source, "worker": str(rank)}}
+            for source, port in (("testbed", PORTS["metrics"]), ("program", 8000))
+            for rank, host in enumerate(hosts)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["s.yaml", TARGETS_FILE])
 
 
 def test_a_scenario_preempting_worker_0_is_refused_naming_the_timeline(tmp_path: Path):
