@@ -2,7 +2,11 @@
 
 A qdisc may be built in, a loadable module, missing, or refused inside a container; the only
 reliable answer is to add one. Kernel features are tried in a throwaway network namespace
-(`tbcap-…`, always removed), so nothing on the host changes. Results are cached per process.
+(`tbcap-…`, always removed), so nothing on the host changes. Where no namespace can be made
+(a container with CAP_NET_ADMIN but not CAP_SYS_ADMIN, as Compose workers are), they are tried
+in this process's own namespace on throwaway interfaces and an nft table of their own (named
+`tbcap…` too, always removed): what a container can shape is what its own namespace allows.
+Results are cached per process.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from pyroute2 import NetNS, netns
+from pyroute2 import IPRoute, NetNS, netns
 from pyroute2.netlink.exceptions import NetlinkError
 
 from netem.extras import MissingExtra, require
@@ -97,21 +101,42 @@ def _probe_kernel() -> tuple[dict[str, bool], dict[str, str]]:
     if os.geteuid() != 0:
         details.update(dict.fromkeys(KERNEL_FEATURES, "not tried: needs root"))
         return found, details
-    name = f"{NETNS_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
+    token = secrets.token_hex(3)
+    name = f"{NETNS_PREFIX}{os.getpid()}-{token}"
     try:
         netns.create(name)
     except OSError as exc:
-        details.update(dict.fromkeys(KERNEL_FEATURES, f"no network namespace: {exc}"))
+        details["netns"] = f"no network namespace ({exc}): tried in this one"
+        _probe_here(f"tbcap{token}", found, details)
         return found, details
     try:
         found["netns"] = True
         with NetNS(name) as ns:
             _probe_tc(ns, found, details)
-        _probe_nft(name, found, details)
+        _probe_nft(["ip", "netns", "exec", name], "tbcap", found, details)
     finally:
         with contextlib.suppress(FileNotFoundError):
             netns.remove(name)
     return found, details
+
+
+def _probe_here(prefix: str, found: dict[str, bool], details: dict[str, str]) -> None:
+    """The kernel features, tried in this process's own namespace on interfaces and an nft
+    table named after `prefix`, all removed afterwards."""
+    with IPRoute() as ip:
+        try:
+            _probe_tc(ip, found, details, names=(f"{prefix}a", f"{prefix}b", f"{prefix}i"))
+        finally:
+            for ifname in (f"{prefix}a", f"{prefix}i"):  # a veth goes with its peer
+                for index in ip.link_lookup(ifname=ifname):
+                    with contextlib.suppress(NetlinkError):
+                        ip.link("del", index=index)
+    try:
+        _probe_nft([], prefix, found, details)
+    finally:
+        if found["nftables"]:
+            subprocess.run(["nft", "delete", "table", "inet", prefix], capture_output=True,
+                           timeout=30)
 
 
 def remove_orphan_probes() -> list[str]:
@@ -130,43 +155,46 @@ def remove_orphan_probes() -> list[str]:
     return removed
 
 
-def _probe_tc(ns: NetNS, found: dict[str, bool], details: dict[str, str]) -> None:
-    """veth a<->b and ifb i; netem on a, htb+u32 on b, tbf on i, a's ingress redirected to i."""
+def _probe_tc(ns: NetNS | IPRoute, found: dict[str, bool], details: dict[str, str],
+              names: tuple[str, str, str] = ("a", "b", "i")) -> None:
+    """veth a<->b and ifb i (`names`); netem on a, htb+u32 on b, tbf on i, a's ingress
+    redirected to i."""
+    a, b, i = names
 
     def index(ifname: str) -> int:
         return ns.link_lookup(ifname=ifname)[0]
 
     def veth() -> None:
-        ns.link("add", ifname="a", kind="veth", peer={"ifname": "b"})
-        for ifname in ("a", "b"):
+        ns.link("add", ifname=a, kind="veth", peer={"ifname": b})
+        for ifname in (a, b):
             ns.link("set", index=index(ifname), state="up")
 
     def ifb() -> None:
-        ns.link("add", ifname="i", kind="ifb")
-        ns.link("set", index=index("i"), state="up")
+        ns.link("add", ifname=i, kind="ifb")
+        ns.link("set", index=index(i), state="up")
 
     def netem() -> None:
-        ns.tc("add", "netem", index=index("a"), handle="1:", delay=1000)
+        ns.tc("add", "netem", index=index(a), handle="1:", delay=1000)
 
     def htb() -> None:
-        ns.tc("add", "htb", index=index("b"), handle="1:", default=0x10)
-        ns.tc("add-class", "htb", index=index("b"), handle="1:10", parent="1:", rate="10mbit")
+        ns.tc("add", "htb", index=index(b), handle="1:", default=0x10)
+        ns.tc("add-class", "htb", index=index(b), handle="1:10", parent="1:", rate="10mbit")
 
     def u32() -> None:
-        ns.tc("add-filter", "u32", index=index("b"), parent="1:", prio=1, protocol=ETH_P_IP,
+        ns.tc("add-filter", "u32", index=index(b), parent="1:", prio=1, protocol=ETH_P_IP,
               target="1:10", keys=["0x0/0x0+0"])
 
     def tbf() -> None:
-        ns.tc("add", "tbf", index=index("i"), handle="1:", rate="10mbit", burst=32000,
+        ns.tc("add", "tbf", index=index(i), handle="1:", rate="10mbit", burst=32000,
               latency="50ms")
 
     def ingress() -> None:
-        ns.tc("add", "ingress", index=index("a"))
+        ns.tc("add", "ingress", index=index(a))
 
     def mirred() -> None:
         redirect = {"kind": "mirred", "direction": "egress", "action": "redirect",
-                    "ifindex": index("i")}
-        ns.tc("add-filter", "u32", index=index("a"), parent="ffff:", prio=1,
+                    "ifindex": index(i)}
+        ns.tc("add-filter", "u32", index=index(a), parent="ffff:", prio=1,
               protocol=ETH_P_ALL, target=0x1, keys=["0x0/0x0+0"], action=[redirect])
 
     steps: tuple[tuple[str, Callable[[], None], tuple[str, ...]], ...] = (
@@ -200,7 +228,10 @@ def _netlink_reason(exc: NetlinkError) -> str:
     return f"netlink error {exc.code}: {os.strerror(exc.code)}"
 
 
-def _probe_nft(name: str, found: dict[str, bool], details: dict[str, str]) -> None:
+def _probe_nft(prefix: list[str], table: str, found: dict[str, bool],
+               details: dict[str, str]) -> None:
+    """An nft table `table` with a prerouting chain, and a numgen drop rule in it; `prefix`
+    runs nft where the probe is (`ip netns exec NAME`, or nothing: here)."""
     if shutil.which("nft") is None:
         details["nftables"] = "the nft command is missing (Debian package nftables)"
         details["numgen"] = "not tried: needs nftables"
@@ -208,18 +239,19 @@ def _probe_nft(name: str, found: dict[str, bool], details: dict[str, str]) -> No
 
     def nft(script: str) -> str | None:
         result = subprocess.run(
-            ["ip", "netns", "exec", name, "nft", "-f", "-"],
-            input=script, capture_output=True, text=True, timeout=30,
+            [*prefix, "nft", "-f", "-"], input=script, capture_output=True, text=True,
+            timeout=30,
         )
         return None if result.returncode == 0 else (result.stderr.strip() or "nft failed")
 
-    error = nft("table inet tbcap { chain pre { type filter hook prerouting priority raw; }; }\n")
+    error = nft(f"table inet {table} {{ chain pre {{ type filter hook prerouting priority raw; "
+                "}; }\n")
     if error is not None:
         details["nftables"] = error.splitlines()[0]
         details["numgen"] = "not tried: needs nftables"
         return
     found["nftables"] = True
-    error = nft("add rule inet tbcap pre numgen random mod 100 < 10 drop\n")
+    error = nft(f"add rule inet {table} pre numgen random mod 100 < 10 drop\n")
     if error is None:
         found["numgen"] = True
     else:

@@ -5,6 +5,7 @@ what a kernel without netem must still offer for the fallback."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import secrets
 import shutil
@@ -153,3 +154,27 @@ def test_without_root_nothing_is_tried():
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout == "False False False not tried: needs root\n"
+
+
+def test_where_no_namespace_can_be_made_the_features_are_tried_in_this_one(scratch: str):
+    """A Compose worker has CAP_NET_ADMIN but not CAP_SYS_ADMIN: it cannot make a namespace,
+    yet it can shape its own. Without CAP_SYS_ADMIN, inside a namespace of its own, the probe
+    finds what the namespace path finds, and leaves no interface or nft table behind."""
+    script = ("import json; from netem.capabilities import probe_kernel; "
+              "print(json.dumps(probe_kernel()))")
+    result = subprocess.run(
+        ["ip", "netns", "exec", scratch, "setpriv", "--inh-caps=-sys_admin",
+         "--bounding-set=-sys_admin", "--", sys.executable, "-c", script],
+        capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    found, details = json.loads(result.stdout)
+    assert not found["netns"] and "tried in this one" in details["netns"], details
+    expected, _ = probe_kernel()
+    assert {k: v for k, v in found.items() if k != "netns"} == {
+        k: v for k, v in expected.items() if k != "netns"}, (found, details)
+    links = subprocess.run(["ip", "-n", scratch, "-o", "link"], capture_output=True,
+                           text=True, check=True).stdout
+    assert "tbcap" not in links, links
+    tables = subprocess.run(["ip", "netns", "exec", scratch, "nft", "list", "tables"],
+                            capture_output=True, text=True).stdout
+    assert "tbcap" not in tables, tables
