@@ -3,7 +3,15 @@ User-Mode Linux sandbox for kernels without netem (`python -m netem.sandbox`).""
 
 import pyroute2.config
 
-from netem.backend import AppliedShaping, ShapingError, apply, change, clear, show
+from netem.backend import (
+    AppliedShaping,
+    ShapingError,
+    apply,
+    change,
+    clear,
+    installed,
+    show,
+)
 from netem.plan import UnsupportedByKernel
 from netem.profile import GilbertElliott, LinkProfile, ProfileError
 from netem.session import Session
@@ -24,5 +32,6 @@ __all__ = [
     "apply",
     "change",
     "clear",
+    "installed",
     "show",
 ]

@@ -163,9 +163,15 @@ def show(iface: str, *, netns: str | None = None) -> dict[str | None, LinkProfil
     """The rules shaping `iface`, read from the kernel ({} if it is not shaped by `apply`).
 
     The default rule (None) is always present when it is shaped."""
+    plan = installed(iface, netns=netns)
+    return {} if plan is None else plan.profiles()
+
+
+def installed(iface: str, *, netns: str | None = None) -> Plan | None:
+    """What the kernel has on `iface`, as the plan that would install it (its direction, its
+    backend: netem leaves or the fallback's, its rules), or None if `apply` did not shape it."""
     with _netlink(netns) as ipr:
-        installed = _installed(ipr, iface, netns)
-    return {} if installed is None else installed.profiles()
+        return _installed(ipr, iface, netns)
 
 
 def clear(iface: str, *, netns: str | None = None) -> None:

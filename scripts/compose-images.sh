@@ -52,7 +52,9 @@ if [[ "$(cat compose/wheels/.complete 2>/dev/null)" != "$wanted" ]]; then
 fi
 
 echo "compose-images: building testbed-worker and testbed-prometheus"
-docker build -q -f compose/Dockerfile --build-arg BASE_IMAGE="$BASE" \
+# The host's network for the build steps: the engine may have no bridge (testbed.compose.engine
+# builds on an engine that touches nothing of the host's networking), and apt needs the mirror.
+docker build -q --network host -f compose/Dockerfile --build-arg BASE_IMAGE="$BASE" \
     --build-arg PIP_OPTIONS=--no-index -t testbed-worker:latest . >/dev/null
-docker build -q -f compose/prometheus.Dockerfile --build-arg BASE_IMAGE="$BASE" \
+docker build -q --network host -f compose/prometheus.Dockerfile --build-arg BASE_IMAGE="$BASE" \
     -t testbed-prometheus:latest . >/dev/null

@@ -731,15 +731,31 @@ def compose(
         help="Override the job's steps (e.g. to shorten a run).", min=1)] = None,
     subnet: Annotated[str, typer.Option(help="The workers' bridge network (IPv4).")]
     = "172.28.0.0/24",
+    up: Annotated[bool, typer.Option(
+        "--up", help="Also run it, end to end, where netem exists: here, or in a User-Mode "
+        "Linux guest with a Docker Engine of its own (see --sandbox); shows what the kernel "
+        "has on every worker's links and one link measured on the wire.")] = False,
+    sandbox: Annotated[str, typer.Option(
+        help="With --up. auto: in the guest when the scenario needs netem and this kernel "
+        "lacks it; uml: always; none: here (on this host's Docker Engine).")] = "auto",
+    keep: Annotated[bool, typer.Option(
+        help="With --up, here: leave the project up after the workers end (Prometheus, "
+        "Grafana); `docker compose ... down` ends it.")] = False,
+    json_output: Annotated[bool, typer.Option(
+        "--json", help="With --up: print the run's report as one JSON document.")] = False,
 ) -> None:
-    """Write a Docker Compose project for a scenario (workers, Prometheus, Grafana); then
-    `docker compose -f DIR/docker-compose.yaml up` runs it (docs/compose.md)."""
+    """Write a Docker Compose project for a scenario (workers; Prometheus and Grafana under the
+    monitoring profile); `--up` also runs it where netem exists (docs/compose.md)."""
     import ipaddress
+    import json
     from pathlib import Path
 
     from testbed.compose import ComposeError, default_directory, write_project
     from testbed.scenario import ScenarioError, find_scenario, load_scenario
 
+    if sandbox not in ("auto", "uml", "none"):
+        typer.echo(f"--sandbox: expected auto, uml or none, got {sandbox!r}", err=True)
+        raise typer.Exit(2)
     path = find_scenario(scenario)
     try:
         ipaddress.ip_network(subnet)
@@ -752,10 +768,64 @@ def compose(
     if loaded.capture.links:
         typer.echo("capture: not under Compose (testbed run captures links; in a container, "
                    "tcpdump on eth0 does)", err=True)
-    typer.echo(f"compose project: {written}")
-    typer.echo(f"run it:          docker compose -f {written} --profile monitoring up --build")
-    typer.echo("then open        http://127.0.0.1:3000 (Grafana), http://127.0.0.1:9090 "
-               "(Prometheus); the run directory lands in " f"{written.parent / 'runs'}")
+    say = (lambda line: typer.echo(line, err=True)) if json_output else typer.echo
+    say(f"compose project: {written}")
+    if not up:
+        typer.echo(f"run it:          docker compose -f {written} --profile monitoring up "
+                   "--build")
+        typer.echo("then open        http://127.0.0.1:3000 (Grafana), http://127.0.0.1:9090 "
+                   "(Prometheus); the run directory lands in " f"{written.parent / 'runs'}")
+        return
+    report = _compose_up(written, loaded, sandbox=sandbox, keep=keep, say=say,
+                         json_output=json_output)
+    if json_output:
+        typer.echo(json.dumps(report, indent=2))
+    else:
+        _show_compose_report(report)
+    if not report.get("success"):
+        raise typer.Exit(1)
+
+
+def _compose_up(project, scenario, *, sandbox: str, keep: bool, say,
+                json_output: bool) -> dict:
+    """`testbed compose --up`: the project run here or in the guest; bad input exits 2."""
+    import contextlib
+    import sys
+
+    from testbed.compose.engine import EngineError, docker
+    from testbed.compose.up import UpError, run_in_guest, run_project
+
+    guest = sandbox == "uml" or (sandbox == "auto" and _needs_guest(scenario))
+    if guest and keep:
+        typer.echo("--keep: only here (the guest's engine ends with the guest)", err=True)
+        raise typer.Exit(2)
+    try:
+        if guest:
+            say("this kernel has no netem: the project runs in a User-Mode Linux guest")
+            # The guest's console is shown as it comes: on stderr when stdout is for the JSON.
+            shown = contextlib.redirect_stdout(sys.stderr) if json_output else \
+                contextlib.nullcontext()
+            with shown:
+                return _sandbox_call(lambda: run_in_guest(project, say=say))
+        if docker({}, "info", check=False).returncode != 0:
+            typer.echo("--up: no Docker Engine answers here (start dockerd, or run in the "
+                       "guest with --sandbox uml)", err=True)
+            raise typer.Exit(2)
+        return run_project(project, {}, say=say, keep=keep)
+    except (UpError, EngineError) as error:
+        typer.echo(f"compose --up: {error}", err=True)
+        raise typer.Exit(1) from None
+
+
+def _show_compose_report(report: dict) -> None:
+    for service, state in report.get("workers", {}).items():
+        typer.echo(f"{service}: {state['state']}, exit code {state['exit_code']}")
+    left = report.get("left", {})
+    typer.echo(f"left behind: {sum(map(len, left.values()))} containers, networks, volumes"
+               if left else "left up (--keep)")
+    typer.echo(f"run directory: {report.get('run_dir', 'none')} "
+               f"({'succeeded' if report.get('success') else 'FAILED'}, "
+               f"{report.get('seconds', '?')} s, in the {report['where']})")
 
 
 @app.command()

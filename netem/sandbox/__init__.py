@@ -61,6 +61,7 @@ CONSOLE_NOISE = (b"Failed to initialize ubd device 0",)
 # Exit code of `run` when the guest stopped without reporting one (crash, panic, OOM).
 GUEST_DIED = 125
 DEFAULT_MEM = "1G"  # a guest's memory
+MAX_DISKS = 7  # image files a guest takes as block devices (ubdb..ubdh)
 DEFAULT_TIMEOUT = 1800.0  # seconds a guest may run
 
 
@@ -408,18 +409,32 @@ def guest_markers(token: str) -> tuple[bytes, bytes]:
     return f"@@sandbox-guest-{token}-start@@".encode(), f"@@sandbox-guest-{token}-end@@".encode()
 
 
+def disk_device(index: int) -> str:
+    """The guest's block device of the `index`-th disk given to `run` (0: /dev/ubdb; ubda is
+    the root's place, which hostfs leaves empty)."""
+    if not 0 <= index < MAX_DISKS:
+        raise ValueError(f"disks: at most {MAX_DISKS}, got disk number {index}")
+    return f"/dev/ubd{chr(ord('b') + index)}"
+
+
 def kernel_command_line(
-    *, init: Path, uml_dir: Path, umid: str, mem: str = DEFAULT_MEM
+    *, init: Path, uml_dir: Path, umid: str, mem: str = DEFAULT_MEM,
+    disks: Sequence[Path] = (),
 ) -> list[str]:
-    """UML's arguments: the host's / as root over hostfs, the console on UML's stdout."""
+    """UML's arguments: the host's / as root over hostfs, the console on UML's stdout, and
+    `disks` (image files) as block devices (`disk_device`)."""
     if not re.fullmatch(r"[1-9][0-9]*[KMG]?", mem):
         raise ValueError(f"mem: expected a size such as 512M or 1G, got {mem!r}")
-    for name, value in (("init", str(init)), ("uml_dir", str(uml_dir)), ("umid", umid)):
-        if not value or re.search(r"\s", value):
-            raise ValueError(f"{name}: must be non-empty without whitespace, got {value!r}")
+    named = [("init", str(init)), ("uml_dir", str(uml_dir)), ("umid", umid)]
+    named += [(f"disks[{i}]", str(disk)) for i, disk in enumerate(disks)]
+    for name, value in named:
+        if not value or re.search(r"[\s,]", value):
+            raise ValueError(f"{name}: must be non-empty without whitespace or commas, "
+                             f"got {value!r}")
     return [
         f"mem={mem}", "quiet", "rootfstype=hostfs", "rootflags=/", "rw",
         "con=null", "con0=null,fd:1", f"uml_dir={uml_dir}", f"umid={umid}", f"init={init}",
+        *(f"{disk_device(i).removeprefix('/dev/')}={disk}" for i, disk in enumerate(disks)),
     ]
 
 
@@ -538,12 +553,16 @@ def run(
     mem: str = DEFAULT_MEM,
     stream: bool = True,
     kernel: UmlKernel | None = None,
+    disks: Sequence[Path] = (),
 ) -> GuestResult:
     """Run `argv` as root in a fresh UML guest and return its exit code and output.
 
     `env` defaults to this process's environment; the guest adds TESTBED_IN_GUEST=1. With
-    `stream`, output is written to stdout as it arrives. The guest is killed (whole process
-    group) and its files removed on timeout (`GuestTimeout`), Ctrl-C, and normal exit.
+    `stream`, output is written to stdout as it arrives. `disks` are image files the guest
+    sees as block devices (`disk_device(i)`: /dev/ubdb, ...), written through to the files:
+    the job must unmount what it mounted from them before it ends (the guest powers off at
+    once). The guest is killed (whole process group) and its files removed on timeout
+    (`GuestTimeout`), Ctrl-C, and normal exit.
     """
     kernel = kernel or prepare()
     _need_tools("booting the guest", GUEST_TOOLS, GUEST_PATH)
@@ -552,7 +571,8 @@ def run(
     umid = f"tb-{os.getpid()}-{token}"
     workdir = Path(tempfile.mkdtemp(prefix="tb-uml-"))
     try:
-        return _boot(argv, cwd, env, timeout, mem, stream, kernel, token, umid, workdir)
+        return _boot(argv, cwd, env, timeout, mem, stream, kernel, token, umid, workdir,
+                     disks)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
@@ -568,6 +588,7 @@ def _boot(
     token: str,
     umid: str,
     workdir: Path,
+    disks: Sequence[Path] = (),
 ) -> GuestResult:
     guest_env = dict(os.environ if env is None else env, TESTBED_IN_GUEST="1")
     init, helper, rc_file = workdir / "init", workdir / "modprobe", workdir / "rc"
@@ -584,7 +605,8 @@ def _boot(
         # If this process dies without cleaning up (SIGKILL), the kernel kills the guest too.
         "setpriv", "--pdeathsig", "KILL", "--",
         str(kernel.binary),
-        *kernel_command_line(init=init, uml_dir=workdir / "uml", umid=umid, mem=mem),
+        *kernel_command_line(init=init, uml_dir=workdir / "uml", umid=umid, mem=mem,
+                             disks=disks),
     ]
     host_env = dict(os.environ)
     if os.access("/dev/shm", os.W_OK):  # UML maps guest memory from a file in TMPDIR

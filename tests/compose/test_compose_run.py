@@ -115,7 +115,8 @@ def _running(project: Path, *services: str) -> Iterator[None]:
         print(_diagnose(project))
         raise
     finally:
-        _compose(project, "down", "-v", "--remove-orphans", "-t", "2", check=False)
+        _compose(project, "--profile", "monitoring", "down", "-v", "--remove-orphans", "-t", "2",
+                 check=False)
 
 
 def _wait_for(what: str, read: Callable[[], T], ready: Callable[[T], bool],

@@ -19,6 +19,7 @@ from netem.sandbox import (
     UmlKernel,
     choose_libc,
     choose_uml,
+    disk_device,
     guest_markers,
     init_script,
     kernel_command_line,
@@ -139,6 +140,18 @@ def test_command_line_rejects_bad_memory_sizes(mem):
 def test_command_line_rejects_whitespace_that_would_split_an_argument():
     with pytest.raises(ValueError, match="init"):
         kernel_command_line(init=Path("/a dir/init"), uml_dir=Path("/u"), umid="x")
+
+
+def test_disks_become_the_guests_block_devices_in_order():
+    line = kernel_command_line(init=Path("/i"), uml_dir=Path("/u"), umid="x",
+                               disks=[Path("/c/docker.img"), Path("/c/other.img")])
+    assert line[-2:] == ["ubdb=/c/docker.img", "ubdc=/c/other.img"]
+    assert [disk_device(i) for i in range(2)] == ["/dev/ubdb", "/dev/ubdc"]
+    with pytest.raises(ValueError, match=r"disks\[0\]"):
+        kernel_command_line(init=Path("/i"), uml_dir=Path("/u"), umid="x",
+                            disks=[Path("/c/a,b.img")])
+    with pytest.raises(ValueError, match="at most 7"):
+        disk_device(7)
 
 
 def test_console_shows_warnings_and_the_job_and_drops_boot_noise_and_power_off():

@@ -34,7 +34,7 @@ from testbed.cluster.worker import PORTS
 from testbed.scenario import load_scenario
 from testbed.scenario.model import Scenario
 
-ROOT = Path(__file__).resolve().parents[1]  # the checkout: the image's build context, grafana/
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: the image's build context, grafana/
 SUBNET = "172.28.0.0/24"
 FIRST_WORKER = 10  # worker r is at the subnet's address FIRST_WORKER + r
 WORKER_IMAGE = "testbed-worker:latest"

@@ -1,0 +1,68 @@
+"""`docker compose up` with real netem where the host kernel has none: the shipped quickstart
+(5 ms of delay, 1% loss on every link) through `testbed compose quickstart --up --sandbox uml`,
+the one command docs/compose.md gives. Its Compose project runs in the User-Mode Linux guest on
+a Docker Engine of the guest's own, whose images come on the engine disk.
+
+Checked: every worker container shaped the links into it with netem leaves (read back from the
+kernel in its namespace), link 0->1 measured on the wire (the probe's loss and delay within
+their tolerances: a correct link fails one with probability about 4e-8, docs/probes.md),
+Prometheus scraped every worker while the run was live under the run's own label, every worker
+ended with 0 and the run succeeded, and nothing is left: no container, network or volume of the
+project in the guest's engine, and on the host no engine, mount, namespace or guest of it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from testbed.compose.engine import DISK_NAME
+
+pytestmark = pytest.mark.compose
+MEASURED = ("loss", "delay mean", "jitter (stdev)")
+
+
+def test_the_quickstart_runs_in_the_guest_with_real_netem(docker_engine, tmp_path: Path):
+    project = tmp_path / "project"
+    result = subprocess.run(
+        [sys.executable, "-m", "testbed.cli", "compose", "quickstart", "-o", str(project),
+         "--up", "--sandbox", "uml", "--json"],
+        capture_output=True, text=True, timeout=3000)
+    print(result.stderr[-6000:])  # the guest's console: the links and what the probe measured
+    assert result.stdout.strip(), f"no report (exit {result.returncode})"
+    report = json.loads(result.stdout)
+    assert result.returncode == 0 and report["success"], report
+    assert report["where"] == "guest"
+
+    hosts = [f"172.28.0.{10 + rank}" for rank in range(4)]
+    for rank in range(4):
+        shaped = report["links"][f"worker-{rank}"]
+        assert shaped["backend"] == "netem" and shaped["direction"] == "ingress", shaped
+        peers = {host: rule for host, rule in shaped["rules"].items() if host != "default"}
+        assert set(peers) == set(hosts) - {hosts[rank]}, shaped
+        assert set(peers.values()) == {"delay=5ms loss=1%"}, shaped
+
+    checks = {check["quantity"]: check for check in report["measured"]["checks"]}
+    for quantity in MEASURED:
+        assert checks[quantity]["passed"] is True, checks[quantity]
+    assert checks["delay mean"]["configured"] == pytest.approx(0.005)
+
+    assert report["prometheus"]["workers"] == ["0", "1", "2", "3"], report["prometheus"]
+    assert report["prometheus"]["runs"] == [Path(report["run_dir"]).name]
+    assert {state["exit_code"] for state in report["workers"].values()} == {0}
+    summary = json.loads((Path(report["run_dir"]) / "summary.json").read_text())
+    assert summary["success"] is True
+    assert report["left"] == {"container": [], "network": [], "volume": []}, report
+
+    # On the host: the guest and its engine are gone, the disk is not mounted, no namespace
+    # of the run's containers is named.
+    mounts = Path("/proc/mounts").read_text()
+    assert DISK_NAME not in mounts and "tb-disk-" not in mounts, mounts
+    assert not [p for p in Path("/run").glob("tb-engine-*")], "an engine's state is left"
+    names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert "tbc-" not in names, names
+    uml = subprocess.run(["pgrep", "-f", "linux.uml"], capture_output=True, text=True).stdout
+    assert not uml.strip(), f"a guest still runs: {uml}"
