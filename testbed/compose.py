@@ -10,6 +10,9 @@ ports are on 127.0.0.1 only.
 
 The project is generated from the scenario file each time (nothing to keep in sync by hand):
 the scenario is copied beside it, and `check_compose` says whether a project still matches.
+Where the scenario authenticates (`security.authenticate`, on by default here: a Compose network
+may be shared), each generation writes a new secret for the run beside the project (`run.key`,
+mode 0600, no other copy) and mounts it read-only into every worker (`node.KEY_FILE`).
 """
 
 from __future__ import annotations
@@ -24,10 +27,11 @@ from typing import Any
 import yaml
 
 from netem.extras import require
-from testbed.cluster.node import preempting
+from testbed.cluster.node import KEY_FILE, preempting
 from testbed.cluster.worker import PORTS
 from testbed.scenario import load_scenario
 from testbed.scenario.model import Scenario
+from testbed.transport.auth import write_key
 
 ROOT = Path(__file__).resolve().parents[1]  # the checkout: the image's build context, grafana/
 SUBNET = "172.28.0.0/24"
@@ -38,6 +42,7 @@ GRAFANA_IMAGE = "grafana/grafana:11.2.0"
 PROMETHEUS_PORT, GRAFANA_PORT = 9090, 3000
 SCRAPE_INTERVAL = "2s"
 FILE, PROMETHEUS_CONFIG, SCENARIO_COPY = "docker-compose.yaml", "prometheus.yml", "scenario.yaml"
+KEY_COPY = "run.key"  # the run's secret beside the project, where the scenario authenticates
 
 
 class ComposeError(ValueError):
@@ -64,6 +69,7 @@ def compose_project(scenario: Scenario, *, steps: int | None = None, subnet: str
     `job_files`: a command job's directory (the scenario file's), relative to the project's,
     mounted read-only at /job in every worker."""
     check_scenario(scenario)
+    authenticates = scenario.authenticates("compose")
     hosts = worker_addresses(scenario.count, subnet)
     restarted = {rank for rank, events in preempting(scenario).items()
                  if any(event.action == "restart" for event in events)}
@@ -88,7 +94,8 @@ def compose_project(scenario: Scenario, *, steps: int | None = None, subnet: str
             "restart": "on-failure" if rank in restarted else "no",
             "stop_grace_period": "5s",
             "volumes": [f"./{SCENARIO_COPY}:/scenario/{SCENARIO_COPY}:ro", "./runs:/runs",
-                        *([f"{job_files}:/job:ro"] if job_files is not None else [])],
+                        *([f"{job_files}:/job:ro"] if job_files is not None else []),
+                        *([f"./{KEY_COPY}:{KEY_FILE}:ro"] if authenticates else [])],
             "networks": {"testbed": {"ipv4_address": hosts[rank]}},
             "labels": {"testbed.scenario": scenario.name, "testbed.rank": str(rank)},
         }
@@ -144,13 +151,18 @@ def prometheus_config(scenario: Scenario, subnet: str = SUBNET) -> dict[str, Any
 def write_project(scenario_path: Path, out: Path, *, steps: int | None = None,
                   subnet: str = SUBNET) -> Path:
     """Write the project for the scenario at `scenario_path` into `out` (the compose file, the
-    scenario's copy, Prometheus's config, `runs/`); returns the compose file's path."""
+    scenario's copy, Prometheus's config, `runs/`, and a new secret where it authenticates);
+    returns the compose file's path."""
     scenario = load_scenario(scenario_path, steps=steps)
     out.mkdir(parents=True, exist_ok=True)
     (out / "runs").mkdir(exist_ok=True)
     if scenario_path.resolve() != (out / SCENARIO_COPY).resolve():
         shutil.copyfile(scenario_path, out / SCENARIO_COPY)
     (out / PROMETHEUS_CONFIG).write_text(_dump(prometheus_config(scenario, subnet)))
+    if scenario.authenticates("compose"):
+        write_key(out / KEY_COPY)
+    else:
+        (out / KEY_COPY).unlink(missing_ok=True)
     path = out / FILE
     job_files = None
     if scenario.command is not None:  # the user's files, where the scenario file is
@@ -172,8 +184,11 @@ def check_compose(directory: Path) -> list[str]:
     job_files = next((v.rsplit(":", 2)[0] for v in volumes if ":/job:" in v), None)
     wanted = {FILE: compose_project(scenario, steps=steps, subnet=subnet, job_files=job_files),
               PROMETHEUS_CONFIG: prometheus_config(scenario, subnet)}
-    return [name for name, data in wanted.items()
-            if yaml.safe_load((directory / name).read_text()) != data]
+    stale = [name for name, data in wanted.items()
+             if yaml.safe_load((directory / name).read_text()) != data]
+    if scenario.authenticates("compose") and not (directory / KEY_COPY).exists():
+        stale.append(KEY_COPY)
+    return stale
 
 
 def project_name(name: str) -> str:

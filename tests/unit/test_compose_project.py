@@ -10,9 +10,10 @@ import pytest
 import yaml
 
 from netem.profile import LinkProfile
-from testbed.cluster.node import IngressLinks, preempting
+from testbed.cluster.node import KEY_FILE, IngressLinks, preempting
 from testbed.compose import (
     FILE,
+    KEY_COPY,
     PROMETHEUS_CONFIG,
     SCENARIO_COPY,
     ComposeError,
@@ -22,6 +23,7 @@ from testbed.compose import (
 )
 from testbed.scenario import load_scenario, scenario_files
 from testbed.scenario.links import CUT
+from testbed.transport.auth import read_key
 
 
 @pytest.mark.parametrize("path", scenario_files(), ids=lambda path: path.stem)
@@ -42,6 +44,8 @@ def test_every_shipped_scenario_makes_a_project_in_step_with_it(path: Path, tmp_
         assert service["restart"] == ("on-failure" if rank in restarted else "no")
         assert service["networks"]["testbed"]["ipv4_address"] == hosts[rank]
         assert service["command"][service["command"].index("--hosts") + 1] == ",".join(hosts)
+        mounted = f"./{KEY_COPY}:{KEY_FILE}:ro" in service["volumes"]
+        assert mounted == scenario.authenticates("compose")
     for service in project["services"].values():
         assert all(port.startswith("127.0.0.1:") for port in service.get("ports", []))
     targets = yaml.safe_load((tmp_path / PROMETHEUS_CONFIG).read_text())
@@ -49,7 +53,28 @@ def test_every_shipped_scenario_makes_a_project_in_step_with_it(path: Path, tmp_
     assert [group["labels"]["worker"] for group in scraped] == [
         str(r) for r in range(scenario.count)]
     assert (tmp_path / SCENARIO_COPY).read_text() == path.read_text()
+    assert (tmp_path / KEY_COPY).exists() == scenario.authenticates("compose")
     assert check_compose(tmp_path) == []
+
+
+def test_each_project_of_an_authenticating_scenario_has_a_new_secret_only_its_owner_reads(
+        tmp_path: Path):
+    path = tmp_path / "s.yaml"
+    path.write_text("name: s\nworkers: 2\njob: {model: mlp, steps: 10}\n"
+                    "collective: {kind: lossy}\n")
+    out = tmp_path / "out"
+    write_project(path, out)
+    first = read_key(out / KEY_COPY)  # refuses a file others may read
+    write_project(path, out)
+    assert read_key(out / KEY_COPY) != first
+    (out / KEY_COPY).unlink()
+    assert check_compose(out) == [KEY_COPY]
+    path.write_text(path.read_text() + "security: {authenticate: false}\n")
+    write_project(path, out)
+    project = yaml.safe_load((out / FILE).read_text())
+    assert not (out / KEY_COPY).exists() and check_compose(out) == []
+    assert all(KEY_COPY not in " ".join(service.get("volumes", []))
+               for service in project["services"].values())
 
 
 def test_a_project_out_of_step_with_its_scenario_is_found(tmp_path: Path):
