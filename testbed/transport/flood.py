@@ -12,20 +12,24 @@ the network can send; without, from the flooder's own address.
 
     python -m testbed.transport.flood '{"targets": [["198.18.0.1", 29500], ...], ...}'
 
-runs until a line (or end of input) on stdin or `seconds`, then prints what it sent to each
-target, by kind, as one JSON object. No torch here.
+prints `{"flooding": true}` once it is about to send, runs until a line (or end of input) on
+stdin or `seconds`, then prints what it sent to each target, by kind, as one JSON object. No
+torch here.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import select
 import socket
 import struct
+import subprocess
 import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -169,7 +173,10 @@ class Flooder:
         self.sent = {f"{host}:{port}": Counter() for host, port in flood.targets}
         self._capacity = payload_capacity(flood.mtu)
 
-    def run(self, stop: threading.Event) -> dict:
+    def run(self, stop: threading.Event, on_start: Callable[[], None] = lambda: None) -> dict:
+        """Flood until `stop` is set or the time is up (`on_start` as it begins); what it
+        sent to each target, by kind."""
+        on_start()
         started, due, count = time.monotonic(), 0, 0
         burst = max(1, int(self.flood.rate * TICK * CATCH_UP))
         try:
@@ -190,12 +197,19 @@ class Flooder:
             if self.capture is not None:
                 self.capture.close()
         return {"sent": {target: dict(kinds) for target, kinds in self.sent.items()},
-                "send_errors": self.sender.errors,
+                "seconds": time.monotonic() - started, "send_errors": self.sender.errors,
                 "captured": self.capture.seen if self.capture is not None else 0}
 
     def _one(self, kind: str) -> None:
+        to = int(self.rng.integers(len(self.flood.targets)))
+        datagram, kind, to, named = self.datagram(kind, to)
         targets = self.flood.targets
-        to = int(self.rng.integers(len(targets)))
+        if self.sender.send(datagram, targets[to], targets[named]):
+            self.sent[f"{targets[to][0]}:{targets[to][1]}"][kind] += 1
+
+    def datagram(self, kind: str, to: int) -> tuple[bytes, str, int, int]:
+        """One datagram of `kind` for target `to`: (its bytes, the kind it is: a forgery until
+        something is captured, the target it goes to, the rank whose address it claims)."""
         named = self._other(to)  # the rank a datagram claims to be (and spoofs, if so)
         captured = self.capture.datagrams if self.capture is not None else []
         if kind == "random":
@@ -216,8 +230,7 @@ class Flooder:
                 for at in self.rng.integers(0, len(flipped), int(self.rng.integers(1, 9))):
                     flipped[at] ^= 1 << int(self.rng.integers(8))
                 datagram = bytes(flipped)
-        if self.sender.send(datagram, targets[to], targets[named]):
-            self.sent[f"{targets[to][0]}:{targets[to][1]}"][kind] += 1
+        return datagram, kind, to, named
 
     def _other(self, rank: int) -> int:
         """A real rank other than `rank` (itself in a world of one)."""
@@ -249,11 +262,37 @@ class Flooder:
         return encode(header, values + bytes(payload_len - len(values))) + trailer
 
 
+def start(flood: Flood, prefix: Sequence[str] = (), timeout: float = 30.0,
+          ) -> subprocess.Popen[str]:
+    """A flooder process (`prefix` in front of its command, e.g. `ip netns exec NS`), returned
+    once it floods; RuntimeError naming what it said if it has not begun within `timeout`."""
+    process = subprocess.Popen([*prefix, sys.executable, "-m", __name__, flood.to_json()],
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    assert process.stdout is not None
+    ready, _, _ = select.select([process.stdout], [], [], timeout)
+    if not ready or "flooding" not in process.stdout.readline():
+        process.kill()
+        _, errors = process.communicate()
+        raise RuntimeError(f"the flooder did not begin within {timeout:g} s: {errors.strip()}")
+    return process
+
+
+def stop(process: subprocess.Popen[str], timeout: float = 30.0) -> dict:
+    """End a flooder `start` began; what it sent (`Flooder.run`)."""
+    out, errors = process.communicate("stop\n", timeout=timeout)
+    if process.returncode:
+        raise RuntimeError(f"the flooder failed ({process.returncode}): {errors.strip()}")
+    return json.loads(out)
+
+
 def main(argv: list[str]) -> int:
     flood = Flood.from_json(argv[0])
     stop = threading.Event()
     threading.Thread(target=lambda: (sys.stdin.readline(), stop.set()), daemon=True).start()
-    print(json.dumps(Flooder(flood).run(stop)), flush=True)
+    flooder = Flooder(flood)
+    sent = flooder.run(stop, on_start=lambda: print(json.dumps({"flooding": True}), flush=True))
+    print(json.dumps(sent), flush=True)
     return 0
 
 

@@ -14,14 +14,14 @@ How the flood is counted: the flooder reports what its kernel took for each work
 has it all once the sum of its refusals (every reason, against every peer and UNKNOWN_PEER)
 and of its socket's drops (SO_MEMINFO) grew by that much since before the flood. On a lossless
 link nothing of the workers' own traffic is refused or dropped, so the sums match exactly.
-Every wait is bounded and says what it waited for; nothing sleeps to synchronise.
+Every wait is bounded and says what it waited for; nothing sleeps to synchronise. A phase
+waits for every chunk (a fixed 5 s deadline, no `settle`): with `settle`, a phase may end when
+a stream's tail came before chunks the host reordered (seen on loopback in 1 of 60 calls,
+before and after this check), which is no concern of this test's.
 """
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 import time
 
 import pytest
@@ -29,6 +29,7 @@ import torch
 
 from testbed.collectives.lab import addresses, close_all, on_hosts, run_concurrently
 from testbed.collectives.lossy import Lossy
+from testbed.transport import flood as stranger
 from testbed.transport.flood import KINDS, Flood
 
 pytestmark = pytest.mark.netns
@@ -65,15 +66,13 @@ def test_a_flood_leaves_every_all_reduce_exact_and_is_counted(make_lab, keyed):
     where = addresses(lab)[:WORLD]
     group: list[Lossy] = on_hosts(lab, [
         lambda r=r: Lossy(r, WORLD, addresses=where, run_id=RUN, deadline_initial=5.0,
-                          deadline_floor=5.0, key=KEY if keyed else None)
+                          deadline_floor=5.0, settle=None, key=KEY if keyed else None)
         for r in range(WORLD)])
     flood = Flood(targets=where, run_id=RUN, rate=RATE, seconds=120.0, seed=23,
                   capture_netns=lab.switch, spoof=keyed)
-    stranger = lab.popen(lab.hosts[WORLD], [sys.executable, "-m", "testbed.transport.flood",
-                                            flood.to_json()],
-                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    before = [refused(worker) for worker in group]
+    flooder = stranger.start(flood, ["ip", "netns", "exec", lab.hosts[WORLD].netns], WAIT)
     try:
-        before = [refused(worker) for worker in group]
         wait_for("the flood to reach every worker",
                  lambda: all(refused(w) > b for w, b in zip(group, before, strict=True)), group)
         results = []
@@ -83,9 +82,7 @@ def test_a_flood_leaves_every_all_reduce_exact_and_is_counted(make_lab, keyed):
             results.append((expected, run_concurrently(*(
                 lambda r=r, s=step, x=inputs[r]: group[r].allreduce(x, s)
                 for r in range(WORLD)), wait=60.0)))
-        report, errors = stranger.communicate("stop\n", timeout=WAIT)
-        assert stranger.returncode == 0, errors
-        sent = json.loads(report)
+        sent = stranger.stop(flooder, WAIT)
         for_worker = [sum(sent["sent"][f"{host}:{port}"].values()) for host, port in where]
         def counted() -> list[int]:
             return [refused(w) - b for w, b in zip(group, before, strict=True)]
@@ -95,9 +92,9 @@ def test_a_flood_leaves_every_all_reduce_exact_and_is_counted(make_lab, keyed):
         final = counted()
         rejected = [worker.endpoint.socket_counters().rejected for worker in group]
     finally:
-        if stranger.poll() is None:
-            stranger.kill()
-            stranger.wait()
+        if flooder.poll() is None:
+            flooder.kill()
+            flooder.wait()
         close_all(lab, group)
 
     for step, (expected, calls) in enumerate(results):
