@@ -177,7 +177,7 @@ class Flooder:
         """Flood until `stop` is set or the time is up (`on_start` as it begins); what it
         sent to each target, by kind."""
         on_start()
-        started, due, count = time.monotonic(), 0, 0
+        started, cpu, due, count = time.monotonic(), time.process_time(), 0, 0
         burst = max(1, int(self.flood.rate * TICK * CATCH_UP))
         try:
             while not stop.is_set():
@@ -197,7 +197,8 @@ class Flooder:
             if self.capture is not None:
                 self.capture.close()
         return {"sent": {target: dict(kinds) for target, kinds in self.sent.items()},
-                "seconds": time.monotonic() - started, "send_errors": self.sender.errors,
+                "seconds": time.monotonic() - started, "cpu_seconds": time.process_time() - cpu,
+                "send_errors": self.sender.errors,
                 "captured": self.capture.seen if self.capture is not None else 0}
 
     def _one(self, kind: str) -> None:
