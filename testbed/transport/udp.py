@@ -281,13 +281,14 @@ def _first_copies(values: np.ndarray) -> np.ndarray:
 class _Stream:
     """The sequence numbers one sender incarnation's stream delivered: the highest, and which
     of the `window` up to it came (a ring: number s in slot s % window). Anything already seen
-    or older than the window is a replay."""
+    or older than the window is a replay. `step`: the furthest step it delivered."""
 
-    __slots__ = ("base", "highest", "incarnation", "received", "ring", "window")
+    __slots__ = ("base", "highest", "incarnation", "received", "ring", "step", "window")
 
-    def __init__(self, incarnation: int, first: int, window: int) -> None:
+    def __init__(self, incarnation: int, first: int, window: int, step: int) -> None:
         self.incarnation = incarnation
         self.window = window
+        self.step = step
         # Streams start at 0; one first seen at JOINED_LATE or beyond was joined late (this
         # endpoint restarted while its peers went on), and counting from 0 would call everything
         # before it lost. (A fresh stream whose first JOINED_LATE datagrams were all lost is
@@ -854,23 +855,29 @@ class DatagramEndpoint:
         counted and routed."""
         took = np.zeros(len(batch), dtype=bool)
         # runs of one incarnation, in order: a new one retires the stream before it
-        incarnations, seqs = batch["incarnation"], batch["seq"]
+        incarnations, seqs, steps = batch["incarnation"], batch["seq"], batch["step"]
         runs = np.flatnonzero(incarnations[1:] != incarnations[:-1]) + 1
-        for start, end in zip([0, *runs.tolist()], [*runs.tolist(), len(batch)], strict=True):
-            stream = self._streams.get(sender)
+        for first, end in zip([0, *runs.tolist()], [*runs.tolist(), len(batch)], strict=True):
+            stream, start = self._streams.get(sender), first
             incarnation = int(incarnations[start])
             if stream is None or stream.incarnation != incarnation:
-                if incarnation in self._retired[sender]:
+                # A restarted sender goes on from the live step: an unknown incarnation whose
+                # step goes back is a recording of an earlier one, replayed (with the run's
+                # key it still carries a valid MAC), and retires nothing.
+                if incarnation in self._retired[sender] or (
+                        stream is not None and int(steps[start]) < stream.step):
                     continue
                 if stream is not None:
                     self._retired[sender].add(stream.incarnation)
                     self._lost_before[sender] += stream.lost
                 stream = self._streams[sender] = _Stream(incarnation, int(seqs[start]),
-                                                         self.replay_window)
+                                                         self.replay_window, int(steps[start]))
                 took[start] = True
                 start += 1
             if start < end:
                 took[start:end] = stream.accept(seqs[start:end])
+            if took[first:end].any():
+                stream.step = max(stream.step, int(steps[first:end][took[first:end]].max()))
         kept = int(took.sum())
         if kept < len(batch):
             self._counters[sender].datagrams_replayed += len(batch) - kept
@@ -879,7 +886,8 @@ class DatagramEndpoint:
         if kept:
             counters = self._counters[sender]
             counters.datagrams_received += kept
-            counters.bytes_received += int(batch["payload_len"].sum()) + kept * HEADER_SIZE
+            counters.bytes_received += (int(batch["payload_len"].sum())
+                                        + kept * (HEADER_SIZE + self.trailer))
             progress = batch["kind"] == Kind.PROGRESS
             self._advance(sender, batch, progress)
             if progress.any():  # said, taken in: nothing to route

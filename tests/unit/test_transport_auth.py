@@ -109,7 +109,8 @@ def test_keyed_endpoints_round_trip_exactly_in_chunks_that_leave_room_for_the_ma
         sent, received = sender.counters()[1], receiver.counters()[0]
     assert not got.missing and torch.equal(out, tensor)
     assert received.datagrams_received == sent.datagrams_sent == count
-    assert sent.bytes_sent == count * (HEADER_SIZE + MAC_SIZE) + tensor.numel() * 4
+    assert sent.bytes_sent == received.bytes_received == (count * (HEADER_SIZE + MAC_SIZE)
+                                                          + tensor.numel() * 4)
     assert received.datagrams_foreign == received.datagrams_malformed == 0
 
 

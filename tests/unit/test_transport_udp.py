@@ -420,6 +420,20 @@ def test_undecodable_datagrams_from_strangers_count_as_unknown(pair, raw):
     assert receiver.counters()[UNKNOWN_PEER].datagrams_malformed == 1
 
 
+def test_an_earlier_incarnation_replayed_cannot_retire_the_current_stream(raw):
+    """A restarted sender goes on from the live step; datagrams of an incarnation this receiver
+    never saw whose step goes back (recorded before the receiver restarted, replayed) are
+    refused as replays, and the current stream goes on."""
+    with DatagramEndpoint(1, RUN, LOOPBACK, peers={5: raw.getsockname()}) as receiver:
+        raw.sendto(crafted(0, incarnation=2, step=7), receiver.address)
+        raw.sendto(crafted(40, incarnation=1, step=6), receiver.address)  # the recording
+        raw.sendto(crafted(1, incarnation=2, kind=Kind.CONTROL, step=1000), receiver.address)
+        wait_for_marker(receiver)
+        counters = receiver.counters()[5]
+    assert counters.datagrams_received == 2 and counters.datagrams_replayed == 1
+    assert counters.datagrams_lost == 0
+
+
 def test_a_restarted_sender_starts_a_new_stream(raw):
     with DatagramEndpoint(1, RUN, LOOPBACK, peers={5: raw.getsockname()}) as receiver:
         for seq in range(3):
@@ -532,8 +546,8 @@ class StreamModel:
     sequence number and a bitmap of the `window` below it; a stream first seen at JOINED_LATE
     or beyond counts from there."""
 
-    def __init__(self, incarnation: int, first: int, window: int) -> None:
-        self.incarnation, self.window = incarnation, window
+    def __init__(self, incarnation: int, first: int, window: int, step: int) -> None:
+        self.incarnation, self.window, self.step = incarnation, window, step
         self.base = first if first >= JOINED_LATE else 0
         self.highest, self.seen, self.received = self.base - 1, 0, 0
 
@@ -576,16 +590,19 @@ def modelled_counts(datagrams: list[tuple[int, bytes]], window: int, capacity: i
             continue
         sender, stream = header.sender, streams.get(header.sender)
         if stream is None or stream.incarnation != header.incarnation:
-            if header.incarnation in retired[sender]:
+            if header.incarnation in retired[sender] or (
+                    stream is not None and header.step < stream.step):
                 counts[sender]["replayed"] += 1
                 reasons["replayed"] += 1
                 continue
             if stream is not None:
                 retired[sender].add(stream.incarnation)
                 counts[sender]["lost"] += stream.lost
-            stream = streams[sender] = StreamModel(header.incarnation, header.seq, window)
+            stream = streams[sender] = StreamModel(header.incarnation, header.seq, window,
+                                                   header.step)
         if stream.accept(header.seq):
             counts[sender]["received"] += 1
+            stream.step = max(stream.step, header.step)
         else:
             counts[sender]["replayed"] += 1
             reasons["replayed"] += 1
@@ -595,9 +612,10 @@ def modelled_counts(datagrams: list[tuple[int, bytes]], window: int, capacity: i
 
 
 _SEQS = st.one_of(st.integers(0, 90), st.sampled_from([2**63, 2**64 - 2, 2**64 - 1]))
-_VALID = st.builds(lambda sender, incarnation, seq, chunk: crafted(
-    seq, sender=sender, incarnation=incarnation, bucket=seq % 3, chunk=chunk, chunks=2),
-    st.sampled_from([5, 6]), st.sampled_from([1, 2, 3]), _SEQS, st.integers(0, 1))
+_VALID = st.builds(lambda sender, incarnation, seq, chunk, step: crafted(
+    seq, sender=sender, incarnation=incarnation, step=step, bucket=seq % 3, chunk=chunk,
+    chunks=2), st.sampled_from([5, 6]), st.sampled_from([1, 2, 3]), _SEQS, st.integers(0, 1),
+    st.integers(0, 2))
 _BROKEN = st.one_of(
     st.binary(max_size=3 * HEADER_SIZE),
     st.builds(lambda raw, at, mask: raw[:at % len(raw)] + bytes([raw[at % len(raw)] ^ mask])
