@@ -753,6 +753,9 @@ def compose(
         typer.echo("capture: not under Compose (testbed run captures links; in a container, "
                    "tcpdump on eth0 does)", err=True)
     typer.echo(f"compose project: {written}")
+    if loaded.authenticates("compose"):
+        typer.echo(f"the run's key:   {written.parent / 'run.key'} (mode 600; a new one each "
+                   "time the project is written)")
     typer.echo(f"run it:          docker compose -f {written} up")
     typer.echo("then open        http://127.0.0.1:3000 (Grafana), http://127.0.0.1:9090 "
                "(Prometheus); the run directory lands in " f"{written.parent / 'runs'}")
