@@ -16,19 +16,22 @@
    forges a peer's source address and port (a raw socket: root), so every forgery passes the
    source check and costs a MAC: the most a flood can cost.
 
-    .venv/bin/python -m benchmarks.datagram_cost [--rounds 9] [--out PATH]
+    .venv/bin/python -m benchmarks.datagram_cost [--rounds 9] [--passes 3] [--out PATH]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import os
 import socket
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -53,7 +56,7 @@ PACED = 2000  # datagrams per paced send (0.24 s at 100 Mbit/s)
 REFUSED = 4000  # datagrams per refusal measurement
 RCVBUF = 64 << 20  # holds every queued datagram (the kernel doubles it)
 PATHS = ("no source check", "source check", "source check + MAC")
-WORLD, NUMEL, CALLS = 4, 200_000, 20
+WORLD, NUMEL, CALLS = 4, 200_000, 10
 FLOOD_RATES = (0, 5_000, 20_000, 50_000)  # datagrams per second, to the four workers together
 WAIT = 30.0
 
@@ -210,51 +213,92 @@ def refused(worker: Lossy) -> int:
     return sum(worker.endpoint.socket_counters().rejected.values())
 
 
-def flood_cell(group: list[Lossy], keyed: bool, rate: int, step: int) -> dict:
-    """CALLS all-reduces under a flood of `rate` datagrams/s: the slowest rank's seconds per
-    call, whether every result was exact, and what the flooder reports."""
+@dataclass
+class FloodRow:
+    """One flood rate's figures over every pass. A `decoy` row floods sockets nobody reads
+    instead of the workers: the flooder's own cost to the machine, without the workers'."""
+
+    rate: int
+    decoy: bool = False
+    seconds: list[float] = field(default_factory=list)  # the slowest rank's, per call
+    exact: int = 0  # calls whose every result was the exact mean
+    sent: int = 0
+    flooding: float = 0.0  # seconds the flooder ran
+    flooder_cpu: float = 0.0  # of which its own CPU seconds
+    refused: int = 0
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.seconds)
+
+
+def flood_cell(group: list[Lossy], keyed: bool, row: FloodRow, step: int) -> None:
+    """CALLS all-reduces under a flood of `row.rate` datagrams/s, into `row`."""
     before = sum(map(refused, group))
     flooder = None
-    if rate:
-        spec = Flood(targets=[w.endpoint.address for w in group], run_id=RUN, rate=rate,
-                     seconds=120.0, seed=rate, spoof=keyed)
-        flooder = flood.start(spec, timeout=WAIT)
-    seconds, exact = [], 0
+    with contextlib.ExitStack() as stack:
+        if row.rate:
+            targets = [w.endpoint.address for w in group]
+            if row.decoy:
+                targets = [stack.enter_context(_sink()).getsockname() for _ in group]
+            spec = Flood(targets=targets, run_id=RUN, rate=row.rate, seconds=120.0,
+                         seed=row.rate + step, spoof=keyed)
+            flooder = flood.start(spec, timeout=WAIT)
+            stack.callback(_end, flooder)  # if a call fails: no flooder left behind
+        _calls(group, row, step)
+        report = None if flooder is None else flood.stop(flooder, WAIT)
+    if report is None:
+        return
+    sent = sum(sum(kinds.values()) for kinds in report["sent"].values())
+    deadline = time.monotonic() + WAIT  # the rest of the flood, before the next cell
+    while not row.decoy and sum(map(refused, group)) - before < sent:
+        assert time.monotonic() < deadline, "the flood's datagrams were not all refused"
+        for worker in group:
+            worker.endpoint.poll(0.01)
+    row.sent += sent
+    row.flooding += report["seconds"]
+    row.flooder_cpu += report["cpu_seconds"]
+    row.refused += sum(map(refused, group)) - before
+
+
+def _end(process: subprocess.Popen[str]) -> None:
+    if process.poll() is None:
+        process.kill()
+        process.wait()
+
+
+def _calls(group: list[Lossy], row: FloodRow, step: int) -> None:
+    """CALLS all-reduces: the slowest rank's seconds and whether each was exact, into `row`."""
     for call in range(CALLS):
         inputs = [(r + 1 + call + torch.arange(NUMEL) % 7).float() for r in range(WORLD)]
         expected = torch.stack(inputs).double().mean(0).float()
         results = run_concurrently(*(lambda r=r, x=inputs[r], s=step + call:
                                      group[r].allreduce(x, s) for r in range(WORLD)),
                                    wait=120.0)
-        seconds.append(max(stats.seconds for _, stats in results))
-        exact += all(torch.equal(result, expected) for result, _ in results)
-    report = ({"sent": {}, "seconds": 1.0, "cpu_seconds": 0.0} if flooder is None
-              else flood.stop(flooder, WAIT))
-    sent = sum(sum(kinds.values()) for kinds in report["sent"].values())
-    deadline = time.monotonic() + WAIT  # the rest of the flood, before the next row
-    while sum(map(refused, group)) - before < sent:
-        assert time.monotonic() < deadline, "the flood's datagrams were not all refused"
-        for worker in group:
-            worker.endpoint.poll(0.01)
-    return {"rate": rate, "achieved": sent / report["seconds"], "median": statistics.median(
-        seconds), "worst": max(seconds), "exact": exact,
-        "refused": sum(map(refused, group)) - before,
-        "flooder_cores": report["cpu_seconds"] / report["seconds"]}
+        row.seconds.append(max(stats.seconds for _, stats in results))
+        row.exact += all(torch.equal(result, expected) for result, _ in results)
 
 
-def floods() -> dict[bool, list[dict]]:
-    found: dict[bool, list[dict]] = {}
+def floods(passes: int) -> dict[bool, list[FloodRow]]:
+    """Per mode (keyed or not), the rates in turn, `passes` times over: a machine whose load
+    drifts meets every rate alike."""
+    found: dict[bool, list[FloodRow]] = {}
     for keyed in (False, True):
         if keyed and os.geteuid() != 0:
             print("not root: no flood with forged source addresses", file=sys.stderr)
             continue
         group = workers(keyed)
+        rows = [FloodRow(rate) for rate in FLOOD_RATES]
+        if not keyed:  # the flooder's own cost, once
+            rows += [FloodRow(rate, decoy=True) for rate in FLOOD_RATES if rate]
         try:
-            found[keyed] = [flood_cell(group, keyed, rate, 100 * i)
-                            for i, rate in enumerate(FLOOD_RATES)]
+            for turn in range(passes):
+                for i, row in enumerate(rows):
+                    flood_cell(group, keyed, row, CALLS * (turn * len(rows) + i))
         finally:
             for worker in group:
                 worker.close()
+        found[keyed] = rows
         print(f"flood {'keyed' if keyed else 'open'} done", file=sys.stderr, flush=True)
     return found
 
@@ -273,8 +317,9 @@ def ratio(paths: dict[str, list[float]], path: str, over: str) -> str:
     return f"{statistics.median(paths[path]) / statistics.median(paths[over]):.2f}x"
 
 
-def report(figures: dict[str, dict[str, list[float]]], flooded: dict[bool, list[dict]],
-           command: str, started: datetime.datetime, elapsed: float, rounds: int) -> str:
+def report(figures: dict[str, dict[str, list[float]]], flooded: dict[bool, list[FloodRow]],
+           command: str, started: datetime.datetime, elapsed: float, rounds: int,
+           passes: int) -> str:
     rows = []
     for row, paths in figures.items():
         cells = []
@@ -294,21 +339,23 @@ def report(figures: dict[str, dict[str, list[float]]], flooded: dict[bool, list[
     ratios += [f"{ratio(figures[row], 'source check + MAC', 'source check')} for "
                f"{row.split(', ', 1)[1]} sends" for row in SENDS]
     flood_lines = []
-    for keyed, cells in flooded.items():
-        base = cells[0]["median"]
+    for keyed, by_rate in flooded.items():
+        base = by_rate[0].median
         mode = ("with the key, every datagram from a forged peer address" if keyed
                 else "without the key, from the flooder's own address")
         flood_lines += [f"#### {mode}", "",
                         "| flood (datagrams/s, asked / sent) | time per call, median (worst) "
-                        "| over no flood | exact calls | refused in all | the flooder's own "
-                        "CPU (cores) |",
+                        "| over no flood | exact calls | refused | the flooder's own CPU "
+                        "(cores) |",
                         "| --- | --- | --- | --- | --- | --- |"]
-        for cell in cells:
+        for row in by_rate:
+            achieved = row.sent / row.flooding if row.flooding else 0.0
+            cores = row.flooder_cpu / row.flooding if row.flooding else 0.0
+            rate = f"{row.rate:,} / {achieved:,.0f}" + (" to a decoy" if row.decoy else "")
             flood_lines.append(
-                f"| {cell['rate']:,} / {cell['achieved']:,.0f} | {cell['median'] * 1e3:.0f} ms "
-                f"({cell['worst'] * 1e3:.0f} ms) | {cell['median'] / base:.2f}x | "
-                f"{cell['exact']} of {CALLS} | {cell['refused']:,} | "
-                f"{cell['flooder_cores']:.2f} |")
+                f"| {rate} | {row.median * 1e3:.0f} ms "
+                f"({max(row.seconds) * 1e3:.0f} ms) | {row.median / base:.2f}x | "
+                f"{row.exact} of {len(row.seconds)} | {row.refused:,} | {cores:.2f} |")
         flood_lines.append("")
     return "\n".join([
         "# Datagram cost: per datagram, with and without the source check and the MAC; "
@@ -341,16 +388,20 @@ def report(figures: dict[str, dict[str, list[float]]], flooded: dict[bool, list[
         f"Four lossy workers (threads of one process, loopback, a fixed 5 s deadline and no "
         "`settle`: a phase waits for every chunk, so a result that is not exact is the "
         "flood's doing, not a reordered tail taken for the end of a stream) all-reduce "
-        f"{NUMEL:,} floats, {CALLS} calls per row, while a flooder process "
+        f"{NUMEL:,} floats, {passes} passes over the rates in turn, {CALLS} calls per rate and "
+        "pass, while a flooder process "
         "(`testbed.transport.flood`, without captures: random bytes and forgeries naming a "
-        "real rank, in turn) sends to their ports; the flood starts before the first call and "
-        "ends after the last. Time per call is the slowest rank's. The flooder's rate is a "
-        "bound (a flooder that falls behind skips, it does not catch up); *sent* is what it "
-        "managed on this machine. *refused in all* counts the four workers' refusals over the "
-        "whole row, flood and what came after the calls. Every call's result is compared with "
+        "real rank, in turn) sends to their ports; in each pass and rate the flood starts "
+        "before the first call and ends after the last. Time per call is the slowest rank's. "
+        "The flooder's rate is a bound (a flooder that falls behind skips, it does not catch "
+        "up); *sent* is what it "
+        "managed on this machine. *refused* counts the four workers' refusals over the whole "
+        "row, the flood during and after the calls. Every call's result is compared with "
         "the exact mean (the inputs are small integers). The flooder runs on the same two "
         "cores as the workers: its own CPU (process time over its run) is part of what slows "
-        "them; what the flood costs the workers' receive path itself is the refusal rows "
+        "them: rows *to a decoy* send the same flood to sockets nobody reads, so the workers "
+        "pay nothing but share the machine with the flooder. What the flood costs the "
+        "workers' receive path itself is the refusal rows "
         "above times the rate.",
         "",
         *flood_lines,
@@ -361,6 +412,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.datagram_cost",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--passes", type=int, default=3)
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -368,8 +420,9 @@ def main() -> None:
     started_at = datetime.datetime.now(datetime.UTC)
     started = time.monotonic()
     figures = costs(args.rounds)
-    flooded = floods()
-    text = report(figures, flooded, command, started_at, time.monotonic() - started, args.rounds)
+    flooded = floods(args.passes)
+    text = report(figures, flooded, command, started_at, time.monotonic() - started, args.rounds,
+                  args.passes)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
     print(f"wrote {args.out}", file=sys.stderr)

@@ -822,22 +822,17 @@ class DatagramEndpoint:
         headers = headers_of(rows)
         codes = rejections(headers, lengths, self.run_id, capacity=self.capacity,
                            trailer=self.trailer)
+        codes[(codes == ACCEPTED) & ~self._sources.registered(headers["sender"], names)] = (
+            code_of(Reason.WRONG_SOURCE))
+        if self._mac is not None:
+            which = np.flatnonzero(codes == ACCEPTED)
+            if len(which):
+                ends = HEADER_SIZE + headers["payload_len"][which].astype(np.int64)
+                codes[which[~self._mac.verify(self.rank, rows, which, ends)]] = (
+                    code_of(Reason.BAD_MAC))
         ok = codes == ACCEPTED
         if not ok.all():
-            self._reject(names, codes, ~ok)
-        wrong = ok & ~self._sources.registered(headers["sender"], names)
-        if wrong.any():
-            self._reject(names, code_of(Reason.WRONG_SOURCE), wrong)
-            ok &= ~wrong
-        if self._mac is not None and ok.any():
-            which = np.flatnonzero(ok)
-            ends = HEADER_SIZE + headers["payload_len"][which].astype(np.int64)
-            forged = which[~self._mac.verify(self.rank, rows, which, ends)]
-            if len(forged):
-                bad = np.zeros(len(rows), dtype=bool)
-                bad[forged] = True
-                self._reject(names, code_of(Reason.BAD_MAC), bad)
-                ok[forged] = False
+            self._reject(names[~ok], codes[~ok])
         if not ok.any():
             return
         batch = _Batch(rows, headers, np.full(len(rows), now))
@@ -861,13 +856,17 @@ class DatagramEndpoint:
             stream, start = self._streams.get(sender), first
             incarnation = int(incarnations[start])
             if stream is None or stream.incarnation != incarnation:
-                # A restarted sender goes on from the live step: an unknown incarnation whose
-                # step goes back is a recording of an earlier one, replayed (with the run's
-                # key it still carries a valid MAC), and retires nothing.
-                if incarnation in self._retired[sender] or (
-                        stream is not None and int(steps[start]) < stream.step):
+                if incarnation in self._retired[sender]:
                     continue
                 if stream is not None:
+                    # A restarted sender goes on from the live step: datagrams of an unknown
+                    # incarnation whose step is behind the stream's are a recording of an
+                    # earlier one, replayed (with the run's key they still carry a valid MAC),
+                    # and retire nothing; the first that is not behind starts the new stream.
+                    behind = steps[start:end] < stream.step
+                    if behind.all():
+                        continue
+                    start += int(behind.argmin())
                     self._retired[sender].add(stream.incarnation)
                     self._lost_before[sender] += stream.lost
                 stream = self._streams[sender] = _Stream(incarnation, int(seqs[start]),
@@ -954,14 +953,15 @@ class DatagramEndpoint:
         for key, rows in waiting.items():
             self._waiting.setdefault(key, []).append(batch.take(np.array(rows)))
 
-    def _reject(self, names: np.ndarray, codes: np.ndarray | int, which: np.ndarray) -> None:
-        """Count the datagrams `which` picks (a bool mask) as refused, each for its reason
-        (`codes`, `wire.rejections`' codes, one each or one for all), against the peer at its
-        source address (`names`, the batch's sockaddrs; UNKNOWN_PEER for strangers)."""
-        owners = self._sources.owners(names[which])
-        reasons = np.broadcast_to(codes, which.shape)[which]
-        pairs, counts = np.unique(np.stack([owners, reasons]), axis=1, return_counts=True)
-        for (peer, code), count in zip(pairs.T.tolist(), counts.tolist(), strict=True):
+    def _reject(self, names: np.ndarray, codes: np.ndarray) -> None:
+        """Count refused datagrams, each for its reason (`codes`, `wire.rejections`' codes)
+        against the peer at its source address (`names`, their sockaddrs; UNKNOWN_PEER for
+        strangers)."""
+        owners = self._sources.owners(names)
+        # one number per (owner, reason): owners from UNKNOWN_PEER (-1) up, codes below 256
+        pairs, counts = np.unique((owners + 1) * 256 + codes, return_counts=True)
+        for pair, count in zip(pairs.tolist(), counts.tolist(), strict=True):
+            peer, code = pair // 256 - 1, pair % 256
             reason = REASONS[code - 1]
             self._rejected[reason] += count
             counters = self._counters[peer]

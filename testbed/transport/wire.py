@@ -328,10 +328,11 @@ def rejections(headers: np.ndarray, lengths: np.ndarray, run_id: int | None = No
         # chunk < chunks where it counts, so chunks - chunk cannot wrap there
         checks.append(((payload > full) | ((chunks - chunk != 1) & (payload != full)),
                        Reason.MTU_MISMATCH))
-    codes = np.full(len(lengths), ACCEPTED, dtype=np.uint8)
-    for failed, reason in reversed(checks):
-        codes[failed] = code_of(reason)
-    return codes
+    failed = np.stack([check for check, _ in checks], axis=1)  # (k, checks)
+    first = failed.argmax(axis=1)  # the first check each datagram fails (0 if none)
+    named = np.array([code_of(reason) for _, reason in checks], dtype=np.uint8)
+    return np.where(failed[np.arange(len(first)), first], named[first], ACCEPTED).astype(
+        np.uint8)
 
 
 def encode_frame(header: FrameHeader) -> bytes:
