@@ -1,6 +1,7 @@
 """Collectives benchmark: all-reduce among four workers in namespaces on shaped links.
 
-`lossy`, `ring`, `moshpit` and `gloo` (twice: TCP cubic and TCP bbr) side by side, on 1M, 10M
+`lossy` (also `lossy-keyed`: with a run key, a MAC on every datagram), `ring`, `moshpit` and
+`gloo` (twice: TCP cubic and TCP bbr) side by side, on 1M, 10M
 and 100M float32 elements, with every host's downlink rate-limited (100 Mbit/s, 1 Gbit/s) and
 losing 0/1/5/10% of its packets (the host kernel's fallback shaping: htb rate, nftables loss, on
 the switch-side ports), plus one unshaped set compared against gloo. Every worker is its own
@@ -32,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import machine
+from testbed.transport.auth import write_key
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "collectives.md"
@@ -39,7 +41,7 @@ WORLD = 4
 SIZES = {"1M": 1_000_000, "10M": 10_000_000, "100M": 100_000_000}
 RATES = {"100 Mbit/s": 100e6, "1 Gbit/s": 1e9}
 LOSSES = (0.0, 0.01, 0.05, 0.10)
-KINDS = ("lossy", "ring", "moshpit", "gloo-cubic", "gloo-bbr")
+KINDS = ("lossy", "lossy-keyed", "ring", "moshpit", "gloo-cubic", "gloo-bbr")
 TCP_CONGESTION = "bbr"  # ring and moshpit, per socket (this machine's default)
 REPS = {1_000_000: 5, 10_000_000: 2, 100_000_000: 1}  # timed calls, after the warm-ups
 QUICK_REPS = {1_000_000: 3, 10_000_000: 1}
@@ -108,8 +110,11 @@ def tcp_algorithms() -> dict[str, int]:
 
 def build(spec: dict[str, Any]):
     from testbed.collectives import create
+    from testbed.transport.auth import read_key
 
     rank, kind, options = spec["rank"], spec["kind"], dict(spec["options"])
+    if "key_file" in options:  # the run's key, as a placement hands it: a file, never argv
+        options["key"] = read_key(Path(options.pop("key_file")))
     for key in ("addresses", "stream_addresses"):
         if key in options:
             options[key] = [tuple(address) for address in options[key]]
@@ -191,7 +196,7 @@ class Cell:
         """Seconds allowed per call: 10x the bound (1 Gbit/s's where unshaped; lossy's at its
         pacing cap where that is lower), 30..120."""
         rate = self.rate or 1e9
-        if self.kind == "lossy":
+        if self.kind.startswith("lossy"):
             rate = min(rate, LOSSY_PACE_CAP)
         bound = 2 * (WORLD - 1) / WORLD * self.bytes * 8 / rate
         return min(max(10 * bound, 30.0), 120.0)
@@ -200,7 +205,7 @@ class Cell:
     def warmups(self) -> int:
         """Lossy learns its deadlines from the last arrivals of earlier calls: three warm-ups
         where they are cheap."""
-        return 3 if self.kind == "lossy" and self.numel <= WARMUP_NUMEL else 1
+        return 3 if self.kind.startswith("lossy") and self.numel <= WARMUP_NUMEL else 1
 
     @property
     def reps(self) -> int:
@@ -208,7 +213,7 @@ class Cell:
 
     @property
     def warmup_numel(self) -> int:
-        return self.numel if self.kind == "lossy" else min(self.numel, WARMUP_NUMEL)
+        return self.numel if self.kind.startswith("lossy") else min(self.numel, WARMUP_NUMEL)
 
 
 @dataclass
@@ -237,8 +242,9 @@ class Outcome:
         return bound / self.time if bound and self.seconds else math.nan
 
 
-def options_for(cell: Cell, lab, port: int) -> list[dict[str, Any]]:
-    """Each rank's constructor options: ports from `port` upwards, fresh for every cell."""
+def options_for(cell: Cell, lab, port: int, key_file: Path) -> list[dict[str, Any]]:
+    """Each rank's constructor options: ports from `port` upwards, fresh for every cell;
+    `lossy-keyed`'s key in `key_file`."""
     hosts = lab.hosts
     timeout = cell.call_timeout
     if cell.kind.startswith("gloo"):
@@ -253,16 +259,17 @@ def options_for(cell: Cell, lab, port: int) -> list[dict[str, Any]]:
         return [{"store": store, "listen": (h.address, port + 1), "timeout": timeout,
                  "expiry": 15.0, "congestion": TCP_CONGESTION, "run_id": port,
                  "rendezvous_timeout": STARTUP} for h in hosts]
-    if cell.kind == "lossy":
+    if cell.kind.startswith("lossy"):
         pace = min(LOSSY_PACE_CAP, PACE * (cell.rate or math.inf))
         # One phase: each worker sends 3/4 of the tensor, paced, in MTU-sized datagrams.
         phase = (WORLD - 1) / WORLD * cell.bytes / FRAME_PAYLOAD * 8 / pace
         ceiling = timeout / 2.5
         initial = min(1.5 * phase + 2.0, ceiling)  # the warm-up's, until one is learned
         addresses = [(h.address, port) for h in hosts]
+        keyed = {"key_file": str(key_file)} if cell.kind == "lossy-keyed" else {}
         return [{"addresses": addresses, "rate": pace, "mtu": MTU, "run_id": port,
                  "deadline_initial": initial, "deadline_ceiling": ceiling,
-                 "rcvbuf": 16 << 20} for _ in hosts]
+                 "rcvbuf": 16 << 20, **keyed} for _ in hosts]
     raise ValueError(cell.kind)
 
 
@@ -297,7 +304,10 @@ def run_cell(lab, cell: Cell, port: int, logs: Path) -> Outcome:
     processes: list[subprocess.Popen[str]] = []
     errors = []
     try:
-        for rank, options in enumerate(options_for(cell, lab, port)):
+        key_file = logs / "run.key"
+        if not key_file.exists():
+            write_key(key_file)
+        for rank, options in enumerate(options_for(cell, lab, port, key_file)):
             spec = {"rank": rank, "kind": cell.kind.split("-")[0], "numel": cell.numel,
                     "calls": calls, "options": options, "warmup_numel": cell.warmup_numel,
                     "warmups": cell.warmups}
@@ -522,7 +532,7 @@ def show(o: Outcome | None, *, with_bound: bool = True) -> str:
     text = f"{o.time:.3g} s"
     if with_bound and o.cell.bound:
         text += f" ({o.fraction:.2f})"
-    if o.cell.kind in ("lossy", "moshpit") and o.coverage < 1:
+    if o.cell.kind.startswith(("lossy", "moshpit")) and o.coverage < 1:
         text += f" cov {o.coverage:.3f}"
     if o.cell.loss == 0 and not o.exact:
         text += " **inexact**" if o.coverage < 1 else " **WRONG**"
@@ -743,7 +753,9 @@ def report(outcomes: list[Outcome], command: str, started: datetime.datetime,
         "sender's chunks to its three peers interleaved, with its defaults otherwise: a "
         "phase ends once every sender's stream has ended (`settle`), and its "
         "deadline, a backstop, starts at 1.5x the paced phase time + 2 s (at most the call "
-        "timeout / 2.5) and is learned from there; `ring` and `moshpit` (one group of "
+        "timeout / 2.5) and is learned from there; `lossy-keyed`: the same with the run's "
+        "key (a 16-byte BLAKE2b MAC after every datagram's payload, checked before it is "
+        "used, and proof of the key in every TCP hello); `ring` and `moshpit` (one group of "
         f"four) over TCP {TCP_CONGESTION} per socket; `gloo-cubic` and `gloo-bbr`: "
         "torch.distributed gloo with the namespaces' default TCP congestion control set to "
         "cubic or bbr (cubic is allowed for the moment of the sysctl; host list: "

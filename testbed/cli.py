@@ -770,6 +770,9 @@ def compose(
                    "tcpdump on eth0 does)", err=True)
     say = (lambda line: typer.echo(line, err=True)) if json_output else typer.echo
     say(f"compose project: {written}")
+    if loaded.authenticates("compose"):
+        say(f"the run's key:   {written.parent / 'run.key'} (mode 600; a new one each time the "
+            "project is written)")
     if not up:
         typer.echo(f"run it:          docker compose -f {written} --profile monitoring up "
                    "--build")
@@ -896,13 +899,17 @@ def node(
                                        "into this worker.")] = "eth0",
     base_dir: Annotated[Path | None, typer.Option(help="What the scenario's paths are relative "
                                                   "to (a command job's files, mounted).")] = None,
+    key_file: Annotated[Path | None, typer.Option(help="The run's secret, where the scenario "
+                                                  "authenticates (default: where `testbed "
+                                                  "compose` mounts it, "
+                                                  "/run/secrets/testbed-key).")] = None,
 ) -> None:
     """One worker of a Compose run, in its container: shapes its incoming links, runs the fault
     timeline's part that is its own, trains (docs/compose.md)."""
-    from testbed.cluster.node import run_node
+    from testbed.cluster.node import KEY_FILE, run_node
 
     raise typer.Exit(run_node(scenario, rank, hosts.split(","), runs, steps=steps, iface=iface,
-                              base_dir=base_dir))
+                              base_dir=base_dir, key_file=key_file or KEY_FILE))
 
 
 FORCE_TERMINAL = "TESTBED_FORCE_TERMINAL"  # set for a guest whose output a terminal shows

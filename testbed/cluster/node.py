@@ -47,6 +47,8 @@ from testbed.scenario.links import LinkState, Pair
 from testbed.scenario.model import Event, Scenario
 
 STORE_WAIT = 300.0  # seconds a node waits for worker 0's store and run directory
+# Where `testbed compose` mounts the run's secret (read-only) where the scenario authenticates.
+KEY_FILE = Path("/run/secrets/testbed-key")
 END_WAIT = 600.0  # seconds worker 0 waits for the others' ends before writing the summary
 POLL = 0.2  # seconds between looks at the store while waiting for a restart to be due
 RUN_KEY, ORIGIN_KEY, ID_KEY = "compose/run", "compose/origin", "compose/run_id"
@@ -109,8 +111,9 @@ class Node:
 
     def __init__(self, scenario_path: Path, rank: int, hosts: list[str], runs: Path, *,
                  iface: str = "eth0", steps: int | None = None, backend: str = "auto",
-                 base_dir: Path | None = None) -> None:
+                 base_dir: Path | None = None, key_file: Path = KEY_FILE) -> None:
         from testbed.scenario import load_scenario
+        from testbed.transport.auth import read_key
 
         self.scenario_path, self.rank, self.hosts, self.runs = scenario_path, rank, hosts, runs
         self.base_dir = base_dir
@@ -119,6 +122,15 @@ class Node:
         if len(hosts) != self.scenario.count:
             raise ValueError(f"--hosts: the scenario has {self.scenario.count} workers, "
                              f"got {len(hosts)} addresses")
+        self.key_file: Path | None = None
+        if self.scenario.authenticates("compose"):
+            try:
+                read_key(key_file)  # here, so a missing or open key fails before anything runs
+            except FileNotFoundError:
+                raise ValueError(f"security.authenticate: this run authenticates, but its key "
+                                 f"is not at {key_file}; regenerate the project with `testbed "
+                                 "compose`, which writes and mounts it") from None
+            self.key_file = key_file
         self.network = IngressLinks(self.scenario, rank, hosts, iface, backend)
         self._store: Any = None
         self._client: Any = None
@@ -141,7 +153,8 @@ class Node:
                               world=self.scenario.count, hosts=self.hosts, run_dir=str(run_dir),
                               run_id=int(self._client.get(ID_KEY)), steps=self.steps,
                               base_dir=None if self.base_dir is None else str(self.base_dir),
-                              rejoin=rejoin)
+                              rejoin=rejoin,
+                              key_file=None if self.key_file is None else str(self.key_file))
             if rejoin:
                 self._wait_for_restart()
             code = Worker(spec, on_start=self._start_timeline,
@@ -264,7 +277,8 @@ class Node:
 
 
 def run_node(scenario: Path, rank: int, hosts: list[str], runs: Path, *, steps: int | None = None,
-             iface: str = "eth0", base_dir: Path | None = None) -> int:
+             iface: str = "eth0", base_dir: Path | None = None,
+             key_file: Path = KEY_FILE) -> int:
     """`testbed node`: run worker `rank` of a Compose run; returns the exit code (0 done, 1 the
     training failed, 2 bad input or links it cannot shape here, 143 SIGTERM)."""
     from testbed.scenario import ScenarioError
@@ -272,7 +286,7 @@ def run_node(scenario: Path, rank: int, hosts: list[str], runs: Path, *, steps: 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         return Node(scenario, rank, hosts, runs, iface=iface, steps=steps,
-                    base_dir=base_dir).run()
+                    base_dir=base_dir, key_file=key_file).run()
     except (netem.UnsupportedByKernel, netem.ShapingError) as error:
         print(f"worker {rank}: cannot shape its links here: {error}", file=sys.stderr)
     except (ScenarioError, ValueError) as error:

@@ -46,10 +46,12 @@ from testbed.cluster.zygote import ForkedWorker, Zygote
 from testbed.report import RunWriter
 from testbed.scenario import Scenario, load_scenario
 from testbed.scenario.model import Event
+from testbed.transport.auth import write_key
 
 STOP_GRACE = 10.0  # seconds a worker gets to end after SIGTERM before SIGKILL
 POLL = 0.2  # seconds between looks at the workers when none of them says anything
 PROMETHEUS_TARGETS = TARGETS_FILE  # file_sd of the workers' relayed endpoints
+KEY_FILE = "run.key"  # the run's secret, while it runs (mode 0600), where it authenticates
 
 
 class RunTimeout(TimeoutError):
@@ -197,6 +199,7 @@ class ClusterRun:
             if self.capture is not None:
                 self.capture.summarise()
                 writer.event("capture", **self.capture.event())
+            (self.run_dir / KEY_FILE).unlink(missing_ok=True)  # of no use once the run is over
             summary = writer.finish(success=error is None, error=error)
             writer.close()
             html = render(self.run_dir)
@@ -237,14 +240,22 @@ class ClusterRun:
     # -- workers ---------------------------------------------------------------------------
 
     def _write_specs(self, network: ClusterNetwork) -> None:
+        """Every worker's spec, and the run's secret where the scenario authenticates: a
+        file only this user may read, which the specs name (the secret is in no spec, log,
+        event or metric)."""
         scenario_copy = self.run_dir / "scenario.yaml"
         run_id = int.from_bytes(os.urandom(4), "big")
+        key_file = None
+        if self.scenario.authenticates("namespaces"):
+            key_file = self.run_dir / KEY_FILE
+            write_key(key_file)
         for rank in range(self.scenario.count):
             spec = WorkerSpec(scenario=str(scenario_copy.resolve()), steps=self.steps, rank=rank,
                               world=self.scenario.count, hosts=list(network.hosts),
                               run_dir=str(self.run_dir.resolve()), run_id=run_id,
                               run_store=network.control_address,
-                              base_dir=str(self.scenario_path.resolve().parent))
+                              base_dir=str(self.scenario_path.resolve().parent),
+                              key_file=str(key_file.resolve()) if key_file else None)
             self._spec_path(rank).write_text(spec.to_json())
         self._namespaces = [network.namespace(rank) for rank in range(self.scenario.count)]
 

@@ -48,7 +48,9 @@ class WorkerSpec:
     """What one worker needs to know: the scenario (a path; `steps` overrides its job's), its
     rank in `world`, every worker's address (`hosts`, by rank), the base `ports`, the run
     directory and the run's id. With `port_stride`, rank r listens on base + r * stride, so
-    several workers can share one address (a single-host run on loopback). `run_store`: the
+    several workers can share one address (a single-host run on loopback). `key_file`: where
+    the run's secret is (a file only its owner may read), if the run authenticates (never the
+    secret itself: this spec is written beside the logs). `run_store`: the
     address of the run's store (None: worker 0's). `base_dir`: what paths in the scenario are
     relative to (None: the scenario file's directory; the runner gives workers a copy of the
     file, so it names the original's). `rejoin`: a worker restarted after a preemption, which
@@ -67,6 +69,7 @@ class WorkerSpec:
     run_store: str | None = None
     base_dir: str | None = None
     rejoin: bool = False
+    key_file: str | None = None
 
     def __post_init__(self) -> None:
         if self.world < 1:
@@ -115,12 +118,15 @@ class WorkerSpec:
 
 
 def placement(spec: WorkerSpec, scenario: Any) -> Any:
-    """Where this worker is, for its collective's registry entry to place it."""
+    """Where this worker is, for its collective's registry entry to place it (with the run's
+    key, read from `spec.key_file`, where the run authenticates)."""
     from testbed.collectives.registry import Placement
+    from testbed.transport.auth import read_key
 
     return Placement(rank=spec.rank, world=spec.world, hosts=spec.hosts, port=spec.port,
                      run_id=spec.run_id, mtu=scenario.topology.mtu,
-                     congestion=scenario.congestion(spec.rank), rejoining=spec.rejoin)
+                     congestion=scenario.congestion(spec.rank), rejoining=spec.rejoin,
+                     key=read_key(Path(spec.key_file)) if spec.key_file else None)
 
 
 def serve_run_store(host: str, port: int) -> Any:

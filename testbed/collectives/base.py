@@ -59,6 +59,8 @@ class Capabilities:
     takes_back: bool = False  # a restarted worker can rejoin the running collective
     reliable_exchange: bool = False  # offers compressors a reliable neighbour exchange
     datagrams: bool = False  # moves data as datagrams (`endpoint`: per-peer datagram counters)
+    # proves the run's key on every socket of its own (datagram MACs, TCP hellos): `key`
+    authenticates: bool = False
 
 
 @runtime_checkable

@@ -119,6 +119,7 @@ class Lossy(CollectiveBase):
         listener: Listener | None = None,
         test_loss: SeededLoss | None = None,
         rejoining: bool = False,
+        key: bytes | None = None,
     ) -> None:
         """`mtu` sizes the datagrams and `rate` (bits/s) paces them (None: unpaced). The
         `deadline_*` bound and seed the transfer deadline (seconds from a peer's first chunk of
@@ -132,7 +133,9 @@ class Lossy(CollectiveBase):
         are at `addresses[rank]` and `stream_addresses[rank]`) and are closed with this object.
         `test_loss` is for tests. A worker `rejoining` a running group (restarted after a
         preemption) skips the TCP meeting, which the others held at their start: its peers'
-        sockets are bound already, and it has no TCP streams (so no resync)."""
+        sockets are bound already, and it has no TCP streams (so no resync). With `key` (the
+        run's), every datagram carries a MAC and every TCP hello proves the key (a given
+        `endpoint` or `listener` carries its own)."""
         if not 0 <= rank < world:
             raise ValueError(f"rank: expected 0..{world - 1}, got {rank}")
         stream_addresses = addresses if stream_addresses is None else stream_addresses
@@ -173,7 +176,7 @@ class Lossy(CollectiveBase):
         self._listener = listener
         self._sender: ThreadPoolExecutor | None = None
         self.endpoint = endpoint or DatagramEndpoint(rank, run_id, tuple(addresses[rank]),
-                                                     mtu=mtu, rate=rate, rcvbuf=rcvbuf)
+                                                     mtu=mtu, rate=rate, rcvbuf=rcvbuf, key=key)
         try:
             for peer in self.peers:
                 self.endpoint.add_peer(peer, tuple(addresses[peer]))
@@ -182,7 +185,7 @@ class Lossy(CollectiveBase):
             # yet (the kernel would drop it, and it would count as loss on the link).
             if not rejoining:
                 self._listener = listener or Listener(tuple(stream_addresses[rank]),
-                                                      congestion=congestion)
+                                                      congestion=congestion, key=key)
                 self._mesh = StreamMesh.open(rank, self._listener, dict(enumerate(
                     stream_addresses)), run_id=run_id, timeout=timeout)
             if resync_every:

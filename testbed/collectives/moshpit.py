@@ -154,8 +154,10 @@ class _Link:
     """The connection to one peer and the one thread that sends on it: a Stream is not
     thread-safe, and a peer that stops reading must hold up only what is sent to it."""
 
-    def __init__(self, rank: int, peer: int, run_id: int, congestion: str | None) -> None:
+    def __init__(self, rank: int, peer: int, run_id: int, congestion: str | None,
+                 key: bytes | None) -> None:
         self.rank, self.peer, self.run_id, self.congestion = rank, peer, run_id, congestion
+        self.key = key
         self.bytes_sent = 0  # written by the sender thread only
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"moshpit-{rank}-to-{peer}")
         self._stream: Stream | None = None
@@ -174,7 +176,8 @@ class _Link:
                 self._drop()
                 self._stream = Stream.connect(
                     member.address, rank=self.rank, peer=self.peer, run_id=self.run_id,
-                    timeout=deadline - time.monotonic(), congestion=self.congestion)
+                    timeout=deadline - time.monotonic(), congestion=self.congestion,
+                    key=self.key)
                 self._target = member
             remaining = max(deadline - time.monotonic(), 1e-3)
             if isinstance(payload, torch.Tensor):
@@ -220,19 +223,21 @@ class Moshpit(CollectiveBase):
         run_id: int = 0,
         congestion: str | None = None,
         rendezvous_timeout: float = 60.0,
+        key: bytes | None = None,
     ) -> None:
         """Join the run: listen on `listen` (a concrete address, as peers connect to it),
         register with the TCPStore at `store` (served here if `serve_store`, by default on rank
         0) and wait up to `rendezvous_timeout` for every rank to have registered once.
         `timeout` bounds each phase of a round; `heartbeat` and `expiry` (default four
-        heartbeats) decide when a silent peer counts as gone."""
+        heartbeats) decide when a silent peer counts as gone. With `key` (the run's), every
+        connection between peers proves it (the membership's store does not)."""
         if listen[0] in ("0.0.0.0", "::", ""):
             raise ValueError(f"listen: peers connect to this address; give a concrete one, "
                              f"not {listen[0]!r}")
         self.rank, self.world, self.timeout, self.run_id = rank, world, timeout, run_id
         self.grid = Grid.for_world(world, group_size)
         self.incarnation = secrets.randbits(31)
-        self._congestion = congestion
+        self._congestion, self._key = congestion, key
         self._inbox = _Inbox()
         self._lock = threading.Lock()  # links, readers, received bytes, closed
         self._links: dict[int, _Link] = {}
@@ -242,7 +247,7 @@ class Moshpit(CollectiveBase):
         self._state: torch.Tensor | None = None  # what `pull_state` hands a joining peer
         self._step: int | None = None
         self._seq = 0
-        self._listener = Listener(listen, congestion=congestion)
+        self._listener = Listener(listen, congestion=congestion, key=key)
         try:
             self.membership = Membership(
                 rank, world, store, run_id=run_id,
@@ -435,7 +440,7 @@ class Moshpit(CollectiveBase):
             link = self._links.get(member.rank)
             if link is None:
                 link = self._links[member.rank] = _Link(self.rank, member.rank, self.run_id,
-                                                        self._congestion)
+                                                        self._congestion, self._key)
         return link.send(member, kind, step, bucket, payload, deadline)
 
     def _bytes(self) -> tuple[int, int]:

@@ -13,7 +13,7 @@ Torch-free: `testbed scenario check` and `testbed compose` import this, not the 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -48,6 +48,8 @@ class Placement:
     mtu: int = 1500
     congestion: str | None = None  # the worker's TCP congestion control
     rejoining: bool = False  # restarted after a preemption
+    # The run's secret, where it authenticates (docs/transport.md); never printed.
+    key: bytes | None = field(default=None, repr=False)
 
     def at(self, port: str) -> list[Address]:
         """Every worker's (address, port) of a named port, by rank."""
@@ -179,9 +181,9 @@ class LossyOptions(CollectiveOptions):
 
 register(Kind(
     "ring", "testbed.collectives.ring:Ring", RingOptions,
-    Capabilities(exact=True, reliable_exchange=True),
+    Capabilities(exact=True, reliable_exchange=True, authenticates=True),
     lambda p: {"addresses": p.at("collective"), "run_id": p.run_id,
-               "congestion": p.congestion},
+               "congestion": p.congestion, "key": p.key},
     "reliable ring all-reduce over TCP (baseline)"))
 register(Kind(
     "gloo", "testbed.collectives.gloo:Gloo", GlooOptions,
@@ -191,16 +193,17 @@ register(Kind(
     "torch.distributed's gloo all-reduce (baseline)"))
 register(Kind(
     "moshpit", "testbed.collectives.moshpit:Moshpit", MoshpitOptions,
-    Capabilities(takes_back=True),
+    Capabilities(takes_back=True, authenticates=True),
     lambda p: {"store": (p.hosts[0], p.port("store", 0)), "listen": p.at("collective")[p.rank],
-               "run_id": p.run_id, "congestion": p.congestion},
+               "run_id": p.run_id, "congestion": p.congestion, "key": p.key},
     "Moshpit averaging in groups on a virtual grid"))
 register(Kind(
     "lossy", "testbed.collectives.lossy:Lossy", LossyOptions,
-    Capabilities(sharded_step=True, takes_back=True, reliable_exchange=True, datagrams=True),
+    Capabilities(sharded_step=True, takes_back=True, reliable_exchange=True, datagrams=True,
+                 authenticates=True),
     lambda p: {"addresses": p.at("collective"), "stream_addresses": p.at("stream"),
                "run_id": p.run_id, "mtu": p.mtu, "congestion": p.congestion,
-               "rejoining": p.rejoining},
+               "rejoining": p.rejoining, "key": p.key},
     "loss-tolerant all-reduce over unreliable datagrams"))
 
 

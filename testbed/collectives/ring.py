@@ -33,9 +33,11 @@ class Ring(CollectiveBase):
         timeout: float = 30.0,
         congestion: str | None = None,
         listener: Listener | None = None,
+        key: bytes | None = None,
     ) -> None:
         """`listener`, if given, is this rank's already bound socket (then `addresses[rank]` is
-        its address): binding first lets port 0 pick free ports before the addresses are shared."""
+        its address, and it carries its own key): binding first lets port 0 pick free ports
+        before the addresses are shared. With `key` (the run's), every connection proves it."""
         if not 0 <= rank < world:
             raise ValueError(f"rank: expected 0..{world - 1}, got {rank}")
         if len(addresses) != world:
@@ -43,7 +45,8 @@ class Ring(CollectiveBase):
         self.rank, self.world, self.timeout = rank, world, timeout
         self.left, self.right = (rank - 1) % world, (rank + 1) % world
         self._calls = 0
-        self._listener = listener or Listener(tuple(addresses[rank]), congestion=congestion)
+        self._listener = listener or Listener(tuple(addresses[rank]), congestion=congestion,
+                                              key=key)
         try:
             peers = {self.left, self.right} - {rank}
             self._mesh = StreamMesh.open(

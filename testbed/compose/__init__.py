@@ -5,6 +5,7 @@ Linux guest can mount; `up` runs a project end to end where netem exists (`testb
 
 from testbed.compose.project import (
     FILE,
+    KEY_COPY,
     MONITORING,
     PROMETHEUS_CONFIG,
     PROMETHEUS_PORT,
@@ -22,6 +23,7 @@ from testbed.compose.project import (
 
 __all__ = [
     "FILE",
+    "KEY_COPY",
     "MONITORING",
     "PROMETHEUS_CONFIG",
     "PROMETHEUS_PORT",

@@ -14,7 +14,10 @@ The project is portable: every path in it is relative to its directory (the buil
 the checkout, reached relatively; the dashboards are copied beside the file), and the image's
 build is written once (a YAML anchor every worker refers to). It is generated from the scenario
 file each time (nothing to keep in sync by hand): the scenario is copied beside it, and
-`check_compose` says whether a project still matches.
+`check_compose` says whether a project still matches. Where the scenario authenticates
+(`security.authenticate`, on by default here: a Compose network may be shared), each
+generation writes a new secret for the run beside the project (`run.key`, mode 0600, no other
+copy) and mounts it read-only into every worker (`node.KEY_FILE`).
 """
 
 from __future__ import annotations
@@ -28,11 +31,12 @@ from typing import Any
 import yaml
 
 from netem.extras import require
-from testbed.cluster.node import preempting, service_name
+from testbed.cluster.node import KEY_FILE, preempting, service_name
 from testbed.cluster.relay import TARGETS_FILE
 from testbed.cluster.worker import PORTS
 from testbed.scenario import load_scenario
 from testbed.scenario.model import Scenario
+from testbed.transport.auth import write_key
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout: the image's build context, grafana/
 SUBNET = "172.28.0.0/24"
@@ -48,6 +52,7 @@ GRAFANA_DIRS = ("provisioning", "dashboards")  # copied from grafana/ into the p
 # A worker's first answer on its metrics endpoint comes after it imported torch: a minute or
 # more on a busy host; until then failed checks do not count.
 WORKER_START = "180s"
+KEY_COPY = "run.key"  # the run's secret beside the project, where the scenario authenticates
 
 
 class ComposeError(ValueError):
@@ -81,6 +86,7 @@ def compose_project(scenario: Scenario, *, steps: int | None = None, subnet: str
     mounted read-only at /job in every worker. The workers share one `build` and one
     `healthcheck` object, which the file writes once and refers to."""
     check_scenario(scenario)
+    authenticates = scenario.authenticates("compose")
     hosts = worker_addresses(scenario.count, subnet)
     restarted = {rank for rank, events in preempting(scenario).items()
                  if any(event.action == "restart" for event in events)}
@@ -109,7 +115,8 @@ def compose_project(scenario: Scenario, *, steps: int | None = None, subnet: str
             "stop_grace_period": "5s",
             "healthcheck": health,
             "volumes": [f"./{SCENARIO_COPY}:/scenario/{SCENARIO_COPY}:ro", "./runs:/runs",
-                        *([f"{job_files}:/job:ro"] if job_files is not None else [])],
+                        *([f"{job_files}:/job:ro"] if job_files is not None else []),
+                        *([f"./{KEY_COPY}:{KEY_FILE}:ro"] if authenticates else [])],
             "networks": {"testbed": {"ipv4_address": hosts[rank]}},
             "labels": {"testbed.scenario": scenario.name, "testbed.rank": str(rank)},
         }
@@ -170,8 +177,8 @@ def prometheus_config() -> dict[str, Any]:
 def write_project(scenario_path: Path, out: Path, *, steps: int | None = None,
                   subnet: str = SUBNET, root: Path = ROOT) -> Path:
     """Write the project for the scenario at `scenario_path` into `out` (the compose file, the
-    scenario's copy, Prometheus's config, the dashboards, `runs/`); returns the compose file's
-    path. Every path in it is relative to `out`."""
+    scenario's copy, Prometheus's config, the dashboards, `runs/`, and a new secret where it
+    authenticates); returns the compose file's path. Every path in it is relative to `out`."""
     scenario = load_scenario(scenario_path, steps=steps)
     out.mkdir(parents=True, exist_ok=True)
     (out / "runs").mkdir(exist_ok=True)
@@ -180,6 +187,10 @@ def write_project(scenario_path: Path, out: Path, *, steps: int | None = None,
     (out / PROMETHEUS_CONFIG).write_text(_dump(prometheus_config()))
     for name in GRAFANA_DIRS:
         shutil.copytree(root / "grafana" / name, out / "grafana" / name, dirs_exist_ok=True)
+    if scenario.authenticates("compose"):
+        write_key(out / KEY_COPY)
+    else:
+        (out / KEY_COPY).unlink(missing_ok=True)
     path = out / FILE
     job_files = None
     if scenario.command is not None:  # the user's files, where the scenario file is
@@ -203,8 +214,11 @@ def check_compose(directory: Path) -> list[str]:
     wanted = {FILE: compose_project(scenario, steps=steps, subnet=subnet, job_files=job_files,
                                     context=first["build"]["context"]),
               PROMETHEUS_CONFIG: prometheus_config()}
-    return [name for name, data in wanted.items()
-            if yaml.safe_load((directory / name).read_text()) != data]
+    stale = [name for name, data in wanted.items()
+             if yaml.safe_load((directory / name).read_text()) != data]
+    if scenario.authenticates("compose") and not (directory / KEY_COPY).exists():
+        stale.append(KEY_COPY)
+    return stale
 
 
 def project_name(name: str) -> str:

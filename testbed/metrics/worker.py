@@ -207,7 +207,9 @@ class WorkerMetrics:
                  "Datagrams that came after their step was closed"),
                 ("datagrams_malformed", "datagrams_malformed",
                  "Datagrams dropped as malformed (peer=unknown: from no known address)"),
-                ("datagrams_foreign", "datagrams_foreign", "Datagrams of another run dropped"),
+                ("datagrams_foreign", "datagrams_foreign",
+                 "Datagrams dropped as not this run's peers': another run, a source address "
+                 "not the sender's, a MAC that does not prove the run's key"),
                 ("datagrams_replayed", "datagrams_replayed",
                  "Datagrams dropped as duplicates or replays"),
                 ("send_errors", "datagram_send_errors", "Datagrams the kernel refused to send"),

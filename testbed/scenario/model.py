@@ -342,6 +342,34 @@ COLLECTIVES: dict[str, type[_Collective]] = {name: _collective_model(registry.ki
 CollectiveSpec = Annotated[reduce(or_, COLLECTIVES.values()), Field(discriminator="kind")]
 
 
+# --- security -----------------------------------------------------------------------------------
+
+
+def _switch(value: Any) -> Any:
+    """true, false or auto; not 1 or 'yes' (YAML's yes/no/on/off are booleans already)."""
+    if isinstance(value, bool) or value == AUTO:
+        return value
+    raise ValueError(f"expected true, false or {AUTO}, got {value!r}")
+
+
+AUTO = "auto"
+Switch = Annotated[Literal["auto", True, False], BeforeValidator(_switch)]
+Placement = Literal["namespaces", "compose"]
+
+
+class Security(_Model):
+    """Who may speak on a run's sockets (docs/transport.md, "Who may send"). A datagram is
+    always taken only from the address registered for the rank it names. With `authenticate`,
+    each run also has a secret: every datagram carries a MAC of it and every TCP hello proves
+    it, so not even a stranger that forges a peer's source address is heard. `auto`: on under
+    Compose (a network others may share), off in namespaces (only this host's processes reach
+    them, and the MAC costs CPU per datagram: benchmarks/results/datagram-cost.md)."""
+
+    authenticate: Switch = Field(default=AUTO, description="true, false or auto (on under "
+                                 "Compose, off in namespaces): a secret per run, a MAC on every "
+                                 "datagram and proof of it in every TCP hello.")
+
+
 # --- metrics ------------------------------------------------------------------------------------
 
 
@@ -617,6 +645,8 @@ class Scenario(_Model):
     metrics: Metrics = Metrics()
     capture: Capture = Field(default=Capture(), description="Links whose frames a run records "
                              "into pcap files, and the per-flow summary (docs/capture.md).")
+    security: Security = Field(default=Security(), description="Who may speak on the run's "
+                               "sockets: authenticate true, false or auto (docs/transport.md).")
 
     @property
     def command(self) -> CommandJob | None:
@@ -626,7 +656,7 @@ class Scenario(_Model):
     @model_validator(mode="after")
     def _consistent(self) -> Scenario:
         problems = [*self._check_workers(), *self._check_topology(), *self._check_timeline(),
-                    *self._check_capture()]
+                    *self._check_capture(), *self._check_security()]
         if self.command is not None:
             problems.extend(self._check_command())
         else:
@@ -676,6 +706,21 @@ class Scenario(_Model):
             yield ("job", "seed"), "set seed at the top level of the scenario"
 
     # -- checks across sections
+
+    def _check_security(self) -> Iterator[tuple[Loc, str]]:
+        """`authenticate: true` needs a job whose sockets are the testbed's, over a collective
+        that can prove the run's key on them."""
+        if self.security.authenticate is not True:
+            return
+        loc: Loc = ("security", "authenticate")
+        if self.command is not None:
+            yield loc, ("a command job's sockets are its own program's: the testbed cannot "
+                        "authenticate them; use false or auto")
+        elif not self.collective.capabilities.authenticates:
+            able = ", ".join(registry.with_capability("authenticates"))
+            yield loc, (f"collective {self.collective.kind} cannot prove the run's key on its "
+                        f"sockets (they are torch.distributed's); use a collective that can "
+                        f"({able}), or false or auto")
 
     def _check_rejoin(self) -> Iterator[tuple[Loc, str]]:
         """A restarted worker needs a collective that can take it back (capability
@@ -825,6 +870,16 @@ class Scenario(_Model):
     def slowdown(self, worker: int) -> float:
         override = self.override(worker)
         return override.slowdown if override else 1.0
+
+    def authenticates(self, placement: Placement) -> bool:
+        """Whether a run of this scenario at `placement` (namespaces or compose) has a secret:
+        `security.authenticate`, with auto resolved (on under Compose, where its collective
+        can prove the key)."""
+        setting = self.security.authenticate
+        if setting != AUTO:
+            return setting
+        return (placement == "compose" and self.command is None
+                and self.collective.capabilities.authenticates)
 
     def congestion(self, worker: int) -> str:
         """The TCP congestion control `worker` uses (record it with the run)."""

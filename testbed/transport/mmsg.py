@@ -139,13 +139,20 @@ class ReceiveRing:
 class Batch:
     """One tensor's messages to one address (`name`, a C sockaddr): message i is `headers[i]`
     followed by bytes `starts[i]:ends[i]` of the concatenation of `parts` ((address, nbytes)
-    each; the caller keeps that memory alive while the messages are sent)."""
+    each; the caller keeps that memory alive while the messages are sent), then `trailers[i]`
+    if there are trailers (a MAC each)."""
 
     name: bytes
     headers: np.ndarray  # (n, header bytes) uint8
     parts: Sequence[tuple[int, int]]
     starts: np.ndarray
     ends: np.ndarray
+    trailers: np.ndarray | None = None  # (n, trailer bytes) uint8
+
+    @property
+    def overhead(self) -> int:
+        """Bytes of each message besides its share of the parts."""
+        return self.headers.shape[1] + (0 if self.trailers is None else self.trailers.shape[1])
 
 
 class Outgoing:
@@ -160,7 +167,8 @@ class Outgoing:
         for run in runs:
             n = len(run.starts)
             name = ctypes.create_string_buffer(run.name, len(run.name))
-            iov = np.zeros((n, 1 + len(run.parts)), dtype=IOVEC)
+            columns = 1 + len(run.parts) + (run.trailers is not None)
+            iov = np.zeros((n, columns), dtype=IOVEC)
             iov["base"][:, 0] = run.headers.ctypes.data + run.headers.shape[1] * np.arange(
                 n, dtype=np.uint64)
             iov["len"][:, 0] = run.headers.shape[1]
@@ -171,20 +179,24 @@ class Outgoing:
                 iov["base"][:, column] = address + lo.astype(np.uint64)
                 iov["len"][:, column] = hi - lo
                 offset += nbytes
+            if run.trailers is not None:
+                iov["base"][:, -1] = run.trailers.ctypes.data + run.trailers.shape[1] * np.arange(
+                    n, dtype=np.uint64)
+                iov["len"][:, -1] = run.trailers.shape[1]
             msgs = np.zeros(n, dtype=MMSGHDR)
             header = msgs["hdr"]
             header["name"] = ctypes.addressof(name)
             header["namelen"] = len(run.name)
             header["iov"] = iov.ctypes.data + iov.strides[0] * np.arange(n, dtype=np.uint64)
-            header["iovlen"] = 1 + len(run.parts)
+            header["iovlen"] = columns
             vectors.append(msgs)
-            self._keep += [name, iov, run.headers]
+            self._keep += [name, iov, run.headers, run.trailers]
         counts = [len(run.starts) for run in runs]
         order = np.argsort(np.concatenate([(np.arange(n) + 0.5) / n for n in counts]),
                            kind="stable")
         self._msgs = np.concatenate(vectors)[order]
         self.run = np.repeat(np.arange(len(runs)), counts)[order]
-        self.size = np.concatenate([run.headers.shape[1] + run.ends - run.starts
+        self.size = np.concatenate([run.overhead + run.ends - run.starts
                                     for run in runs])[order]
         self._address = self._msgs.ctypes.data
         self._sendmmsg = mmsg_calls()[1]

@@ -6,6 +6,12 @@ Every socket has TCP_NODELAY (a collective's messages are latency-bound) and can
 congestion control (TCP_CONGESTION): cubic and bbr react to loss an order of magnitude apart,
 so a scenario names one and the run records it (`Stream.congestion`). Retransmits of the
 process's own connections come from TCP_INFO (`Stream.tcp_info().total_retrans`).
+
+A connection starts with the caller's hello: whom it meant to reach, and, where the run has a
+key, proof of it: the listener sends a fresh nonce on accepting, and the caller answers with a
+MAC of it (`auth.hello_proof`), which a passive observer cannot replay on another connection.
+The listener reads every caller's hello as its bytes come, side by side, so a caller that sends
+half a hello (or nothing) holds up no other.
 """
 
 from __future__ import annotations
@@ -13,7 +19,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import hmac
 import math
+import os
 import select
 import socket
 import struct
@@ -26,6 +34,7 @@ from typing import NamedTuple, NoReturn
 import numpy as np
 import torch
 
+from testbed.transport.auth import MAC_SIZE, NONCE_SIZE, hello_proof
 from testbed.transport.counters import UNKNOWN_PEER, StreamCounters, TcpInfo, tcp_info
 from testbed.transport.errors import PeerClosed, ProtocolError, TransportError, TransportTimeout
 from testbed.transport.tensors import as_bytes, dtype_of
@@ -49,8 +58,11 @@ RETRIED = frozenset({errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN})
 # A caller says hello at once, but on a lossy link its segment may need retransmits: after a
 # lost SYN, TCP's first retransmit comes 3 s later, the next 6 s after that.
 HELLO_TIMEOUT = 30.0
+# Connections a listener keeps waiting for their hellos; past this the oldest is closed, so a
+# flood of connections that never speak cannot take every file descriptor.
+MAX_GREETINGS = 256
 MAX_MESSAGE = 1 << 32  # a length beyond this is a broken or foreign stream, not a tensor
-_HELLO = struct.Struct("!H")  # HELLO payload: the rank the caller meant to reach
+_HELLO = struct.Struct("!H")  # HELLO payload: the rank the caller meant to reach (+ its proof)
 _SYSCTL = Path("/proc/sys/net/ipv4")
 
 Buffer = bytes | bytearray | memoryview
@@ -91,10 +103,12 @@ class Stream:
         run_id: int,
         timeout: float,
         congestion: str | None = None,
+        key: bytes | None = None,
     ) -> Stream:
-        """Connect to `peer`'s listener and say hello. Retries while the listener refuses (it
-        may not be up yet) or the host is unreachable (on a lossy link the neighbour lookup's
-        ARP packets are lost too: three lost in a row end a connect with EHOSTUNREACH)."""
+        """Connect to `peer`'s listener and say hello (with `key`, the run's, answering the
+        listener's challenge with proof of it). Retries while the listener refuses (it may not
+        be up yet) or the host is unreachable (on a lossy link the neighbour lookup's ARP
+        packets are lost too: three lost in a row end a connect with EHOSTUNREACH)."""
         deadline = time.monotonic() + timeout
         where = f"rank {rank}: connecting to rank {peer} at {address[0]}:{address[1]}"
         while True:
@@ -117,12 +131,25 @@ class Stream:
                 time.sleep(CONNECT_RETRY)  # nothing to wait on: the peer is not there yet
         stream = cls(sock, address, rank=rank, peer=peer, run_id=run_id)
         try:
-            stream.send_message(Kind.HELLO, 0, 0, _HELLO.pack(peer),
+            hello = _HELLO.pack(peer)
+            if key is not None:
+                hello += stream._prove(key, max(deadline - time.monotonic(), 1e-3))
+            stream.send_message(Kind.HELLO, 0, 0, hello,
                                 timeout=max(deadline - time.monotonic(), 1e-3))
         except BaseException:
             stream.close()
             raise
         return stream
+
+    def _prove(self, key: bytes, timeout: float) -> bytes:
+        """Read the listener's nonce; the proof of `key` that answers it."""
+        nonce = bytearray(NONCE_SIZE)
+        try:
+            self._recv_into(memoryview(nonce), _Limit.of(timeout), "the listener's challenge")
+        except TransportTimeout as exc:
+            raise TransportTimeout(f"{exc}; does that listener have the run's key?") from None
+        self._counters.bytes_received += NONCE_SIZE
+        return hello_proof(key, bytes(nonce), self.run_id, self.rank, self.peer)
 
     @property
     def congestion(self) -> str:
@@ -274,36 +301,78 @@ class Stream:
         return kind(f"{self._where(action)}: {exc.strerror} after {done} of {total} bytes")
 
 
-@dataclass
+class _TurnedAway(Exception):
+    """A caller whose hello is not one for this listener: what was wrong."""
+
+
 class _Greeting:
-    """A connection accepted whose hello has not been read yet."""
+    """A connection accepted whose hello is still coming. Its bytes are read as they come,
+    without waiting (`read`), and it is heard once whole (`hear`)."""
 
-    stream: Stream  # its address is the caller's
-    since: float
+    def __init__(self, stream: Stream, nonce: bytes) -> None:
+        self.stream, self.nonce = stream, nonce  # the stream's address is the caller's
+        self.since = time.monotonic()
+        self.buffer = bytearray()
+        self.header: FrameHeader | None = None
 
-    def hear(self, rank: int, expect: Collection[int] | None, timeout: float) -> str | None:
-        """Read the hello (its bytes have begun to arrive); None if it is one for `rank` from
-        a peer in `expect` (the stream then names that peer), else what was wrong."""
+    @property
+    def caller(self) -> str:
+        return f"{self.stream.address[0]}:{self.stream.address[1]}"
+
+    def read(self) -> bool:
+        """Take in what has come of the hello; True once all of it is here. Raises
+        `_TurnedAway` for a caller that closed, or whose header is no hello of this run."""
+        wanted = FRAME_SIZE + (0 if self.header is None else self.header.length)
         try:
-            hello = self.stream.recv_message(timeout=timeout)
-        except TransportError as exc:
-            return str(exc)
-        target = _HELLO.unpack(hello.payload)[0] if len(hello.payload) == _HELLO.size else None
-        sender = hello.header.sender
-        if hello.header.kind != Kind.HELLO or target is None:
-            problem = f"{Kind(hello.header.kind).name} instead of a hello"
-        elif target != rank:
-            problem = f"rank {sender} meant to reach rank {target}"
-        elif expect is not None and sender not in expect:
-            problem = f"rank {sender}, not one of {sorted(expect)}"
-        else:
-            self.stream.peer = sender
-            return None
-        return f"{self.stream.address[0]}:{self.stream.address[1]}: {problem}"
+            data = self.stream.sock.recv(wanted - len(self.buffer))
+        except BlockingIOError:
+            return False
+        except OSError as exc:
+            problem = f"{exc.strerror} after {len(self.buffer)} bytes of its hello"
+            raise _TurnedAway(problem) from None
+        if not data:
+            raise _TurnedAway(f"closed the connection after {len(self.buffer)} of {wanted} "
+                              "bytes of its hello")
+        self.buffer += data
+        if self.header is None and len(self.buffer) == FRAME_SIZE:
+            try:
+                header = decode_frame(bytes(self.buffer), self.stream.run_id)
+            except MalformedDatagram as exc:
+                raise _TurnedAway(f"not a message of this run ({exc})") from None
+            if header.kind != Kind.HELLO:
+                raise _TurnedAway(f"{Kind(header.kind).name} instead of a hello")
+            if header.length > _HELLO.size + MAC_SIZE:
+                raise _TurnedAway(f"a hello of {header.length} bytes")
+            self.header = header
+        return self.header is not None and len(self.buffer) == FRAME_SIZE + self.header.length
+
+    def hear(self, rank: int, expect: Collection[int] | None, key: bytes | None) -> None:
+        """Check the whole hello: it proves `key` (if the run has one), it is for `rank`, from
+        a peer in `expect`; the stream then names that peer. Raises `_TurnedAway`."""
+        assert self.header is not None
+        payload, sender = bytes(self.buffer[FRAME_SIZE:]), self.header.sender
+        target = _HELLO.unpack_from(payload)[0] if len(payload) >= _HELLO.size else None
+        proof = payload[_HELLO.size:]
+        if target is None or len(proof) not in (0, MAC_SIZE):
+            raise _TurnedAway(f"a hello of {len(payload)} payload bytes")
+        if key is None and proof:
+            raise _TurnedAway(f"rank {sender} proves a key; this listener has none")
+        if key is not None and not proof:
+            raise _TurnedAway(f"rank {sender} has no key; this run's listener wants proof of one")
+        if key is not None and not hmac.compare_digest(
+                proof, hello_proof(key, self.nonce, self.header.run_id, sender, target)):
+            raise _TurnedAway(f"rank {sender}'s hello does not prove the run's key")
+        if target != rank:
+            raise _TurnedAway(f"rank {sender} meant to reach rank {target}")
+        if expect is not None and sender not in expect:
+            raise _TurnedAway(f"rank {sender}, not one of {sorted(expect)}")
+        self.stream.peer = sender
+        self.stream._counted(self.header)
 
 
 class Listener:
-    """A listening socket; connections accepted from it inherit its congestion control."""
+    """A listening socket; connections accepted from it inherit its congestion control. With
+    `key` (the run's), every caller must prove it in its hello."""
 
     def __init__(
         self,
@@ -311,6 +380,7 @@ class Listener:
         *,
         congestion: str | None = None,
         backlog: int = 128,
+        key: bytes | None = None,
     ) -> None:
         self._sock = _tcp_socket(address, congestion)
         try:
@@ -322,8 +392,9 @@ class Listener:
             where = f"listening on {address[0]}:{address[1]}"
             raise TransportError(f"{where}: {exc.strerror}") from None
         self.address: tuple[str, int] = self._sock.getsockname()[:2]
+        self.key = key
         self._sock.setblocking(False)  # accepted only when select says a call is there
-        self._greeting: list[_Greeting] = []  # connected, hello not yet read
+        self._greeting: list[_Greeting] = []  # connected, hello not yet whole
 
     @property
     def congestion(self) -> str:
@@ -337,54 +408,84 @@ class Listener:
         timeout: float,
         expect: Collection[int] | None = None,
     ) -> Stream:
-        """The next peer (one of `expect`, if given) that says hello to `rank` in this run.
-        Hellos are awaited side by side, so one slow or silent caller holds up nobody (on a
-        lossy link a hello can need several retransmits, seconds apart); callers that have
-        not spoken yet wait on the listener for the next call. Connections that say something
-        else are closed and named in the timeout's message."""
+        """The next peer (one of `expect`, if given) that says hello to `rank` in this run
+        (proving the listener's key, if it has one). Every caller's hello is read as its bytes
+        come, side by side, so one that is slow, silent or sends half a hello holds up nobody
+        (on a lossy link a hello can need several retransmits, seconds apart); callers whose
+        hello is not whole yet wait on the listener for the next call, for up to
+        HELLO_TIMEOUT. Connections that say something else are closed and named in the
+        timeout's message."""
         deadline = time.monotonic() + timeout
         turned_away: list[str] = []
         while (remaining := deadline - time.monotonic()) > 0:
             self._drop_silent(turned_away)
             waiting = [self._sock, *(greeting.stream.sock for greeting in self._greeting)]
-            readable, _, _ = select.select(waiting, [], [], min(remaining, HELLO_TIMEOUT))
+            oldest = min((g.since for g in self._greeting), default=math.inf)
+            wake = min(remaining, oldest + HELLO_TIMEOUT - time.monotonic())
+            readable, _, _ = select.select(waiting, [], [], max(wake, 0.0))
             for sock in readable:
                 if sock is self._sock:
-                    self._take_call(rank, run_id)
+                    self._take_call(rank, run_id, turned_away)
                     continue
                 greeting = next(g for g in self._greeting if g.stream.sock is sock)
-                self._greeting.remove(greeting)
-                problem = greeting.hear(rank, expect, min(remaining, HELLO_TIMEOUT))
-                if problem is None:
-                    return greeting.stream
-                greeting.stream.close()
-                turned_away.append(problem)
+                try:
+                    if not greeting.read():
+                        continue
+                    self._greeting.remove(greeting)
+                    greeting.hear(rank, expect, self.key)
+                except _TurnedAway as problem:
+                    if greeting in self._greeting:
+                        self._greeting.remove(greeting)
+                    greeting.stream.close()
+                    turned_away.append(f"{greeting.caller}: {problem}")
+                    continue
+                return greeting.stream
         waited_for = f"ranks {sorted(expect)}" if expect is not None else "a peer"
-        silent = [f"{g.stream.address[0]}:{g.stream.address[1]}" for g in self._greeting]
+        silent = [f"{g.caller} ({len(g.buffer)} bytes of its hello)" for g in self._greeting]
         extra = f"; turned away: {'; '.join(turned_away)}" if turned_away else ""
-        extra += f"; connected, no hello yet: {', '.join(silent)}" if silent else ""
+        extra += f"; connected, no whole hello yet: {', '.join(silent)}" if silent else ""
         raise TransportTimeout(
             f"rank {rank}: waiting on {self.address[0]}:{self.address[1]} for {waited_for} to "
             f"connect: timed out after {timeout:g} s{extra}"
         )
 
-    def _take_call(self, rank: int, run_id: int) -> None:
+    def _take_call(self, rank: int, run_id: int, turned_away: list[str]) -> None:
+        """Accept a connection; with a key, challenge it with a fresh nonce at once."""
         try:
             sock, source = self._sock.accept()
         except BlockingIOError:  # the caller gave up between select and accept
             return
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setblocking(False)  # its hello is read as it comes
         stream = Stream(sock, source[:2], rank=rank, peer=UNKNOWN_PEER, run_id=run_id)
-        self._greeting.append(_Greeting(stream, time.monotonic()))
+        greeting = _Greeting(stream, os.urandom(NONCE_SIZE) if self.key is not None else b"")
+        if greeting.nonce:
+            try:  # 16 bytes into a new connection's empty send buffer: taken whole
+                sent = sock.send(greeting.nonce)
+            except OSError as exc:
+                sent, problem = 0, exc.strerror
+            else:
+                problem = f"took {sent} of the challenge's {NONCE_SIZE} bytes"
+            if sent != NONCE_SIZE:
+                stream.close()
+                turned_away.append(f"{greeting.caller}: {problem}")
+                return
+            stream._counters.bytes_sent += NONCE_SIZE
+        self._greeting.append(greeting)
+        while len(self._greeting) > MAX_GREETINGS:
+            dropped = self._greeting.pop(0)
+            dropped.stream.close()
+            turned_away.append(f"{dropped.caller}: closed unheard, {MAX_GREETINGS} newer "
+                               "callers were waiting to say hello")
 
     def _drop_silent(self, turned_away: list[str]) -> None:
-        """Close the connections that said nothing for HELLO_TIMEOUT."""
+        """Close the connections whose hello did not come whole within HELLO_TIMEOUT."""
         now = time.monotonic()
-        for greeting in [g for g in self._greeting if now - g.since > HELLO_TIMEOUT]:
+        for greeting in [g for g in self._greeting if now - g.since >= HELLO_TIMEOUT]:
             self._greeting.remove(greeting)
             greeting.stream.close()
-            host, port = greeting.stream.address
-            turned_away.append(f"{host}:{port}: no hello within {HELLO_TIMEOUT:g} s")
+            turned_away.append(f"{greeting.caller}: no whole hello within {HELLO_TIMEOUT:g} s "
+                               f"({len(greeting.buffer)} bytes came)")
 
     def shutdown(self) -> None:
         """Wake a thread blocked in `accept` (it fails with OSError). Unlike connecting to
@@ -408,7 +509,7 @@ class Listener:
 class StreamMesh:
     """Streams from `rank` to each of its peers: it connects to lower ranks and accepts higher
     ones, so any start order works as long as every listener is bound before the addresses
-    are handed out. Outgoing connections use the listener's congestion control."""
+    are handed out. Outgoing connections use the listener's congestion control and key."""
 
     def __init__(self, rank: int, streams: dict[int, Stream]) -> None:
         self.rank, self.streams = rank, streams
@@ -434,6 +535,7 @@ class StreamMesh:
                 streams[peer] = Stream.connect(
                     addresses[peer], rank=rank, peer=peer, run_id=run_id,
                     timeout=deadline - time.monotonic(), congestion=congestion,
+                    key=listener.key,
                 )
             waiting = {p for p in peers if p > rank}
             while waiting:

@@ -17,6 +17,12 @@ Loss is measured from sequence numbers: every (sender incarnation, destination) 
 its datagrams from 0, so gaps at the receiver are datagrams lost on the way, whatever took them.
 The part the host took (the socket's receive buffer was full) is the kernel's per-socket drop
 count (`SocketCounters.rcvbuf_drops`); the rest was the network.
+
+Nothing a datagram says about itself is taken on its word. Before a datagram reaches a stream,
+a key or a sum, its header has been checked (`wire.rejections`), its source address is the one
+registered for the sender it names (`sources.SourceTable`), and, with the run's key, its MAC
+proves the key (`auth.DatagramMac`); each batch at once, and what fails is counted by reason
+against the peer whose address it came from. docs/transport.md states what this stops.
 """
 
 from __future__ import annotations
@@ -37,36 +43,33 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from testbed.transport.counters import (
-    UNKNOWN_PEER,
-    DatagramCounters,
-    SocketCounters,
-    socket_drops,
-)
+from testbed.transport.auth import MAC_SIZE, DatagramMac
+from testbed.transport.counters import DatagramCounters, SocketCounters, socket_drops
 from testbed.transport.errors import TransportError
-from testbed.transport.mmsg import Batch, Outgoing, ReceiveRing, address_of, mmsg_calls, sockaddr
+from testbed.transport.mmsg import Batch, Outgoing, ReceiveRing, mmsg_calls, sockaddr
+from testbed.transport.sources import SourceTable
 from testbed.transport.tensors import as_bytes, bits, bits_dtype, codec_of, dtype_of
 from testbed.transport.wire import (
+    ACCEPTED,
     ETHERNET_HEADER,
     HEADER_SIZE,
     IPV4_HEADER,
     IPV6_HEADER,
     ITEMSIZE,
     MAGIC,
+    REASONS,
     UDP_HEADER,
     VERSION,
     Codec,
     Header,
     Kind,
-    MalformedDatagram,
     Reason,
-    accepted,
-    chunk_numel,
-    decode,
+    code_of,
     encode_headers,
     full_payload,
     headers_of,
     payload_capacity,
+    rejections,
 )
 
 SO_SNDBUFFORCE, SO_RCVBUFFORCE = 32, 33  # Linux; beyond rmem_max/wmem_max, needs CAP_NET_ADMIN
@@ -278,13 +281,14 @@ def _first_copies(values: np.ndarray) -> np.ndarray:
 class _Stream:
     """The sequence numbers one sender incarnation's stream delivered: the highest, and which
     of the `window` up to it came (a ring: number s in slot s % window). Anything already seen
-    or older than the window is a replay."""
+    or older than the window is a replay. `step`: the furthest step it delivered."""
 
-    __slots__ = ("base", "highest", "incarnation", "received", "ring", "window")
+    __slots__ = ("base", "highest", "incarnation", "received", "ring", "step", "window")
 
-    def __init__(self, incarnation: int, first: int, window: int) -> None:
+    def __init__(self, incarnation: int, first: int, window: int, step: int) -> None:
         self.incarnation = incarnation
         self.window = window
+        self.step = step
         # Streams start at 0; one first seen at JOINED_LATE or beyond was joined late (this
         # endpoint restarted while its peers went on), and counting from 0 would call everything
         # before it lost. (A fresh stream whose first JOINED_LATE datagrams were all lost is
@@ -408,6 +412,9 @@ class DatagramEndpoint:
     socket takes it. `rcvbuf`/`sndbuf` are asked of the kernel (beyond rmem_max when root);
     `rcvbuf_bytes`/`sndbuf_bytes` say what it granted (Linux doubles the request for its own
     bookkeeping). Keys more than `history_steps` below the newest collected step are closed.
+    With `key` (the run's secret, `testbed.transport.auth`), every datagram carries a MAC and
+    only those whose MAC proves the key are taken; every worker of a run must have the same
+    key, or none.
     """
 
     def __init__(
@@ -424,11 +431,14 @@ class DatagramEndpoint:
         sndbuf: int = 1 << 20,
         replay_window: int = 4096,
         history_steps: int = 8,
+        key: bytes | None = None,
     ) -> None:
         mmsg_calls()  # a clear TransportError here where the C library lacks them
         ipv6 = ":" in address[0]
         self.rank, self.run_id, self.mtu, self._ipv6 = rank, run_id, mtu, ipv6
-        self.capacity = payload_capacity(mtu, ipv6=ipv6)
+        self._mac = None if key is None else DatagramMac(key)
+        self.trailer = 0 if key is None else MAC_SIZE  # MAC bytes after each payload
+        self.capacity = payload_capacity(mtu, ipv6=ipv6, trailer=self.trailer)
         self._full = {codec: full_payload(self.capacity, codec.itemsize) for codec in Codec}
         self._chunk_numel = {codec: full // codec.itemsize for codec, full in self._full.items()}
         self.incarnation = secrets.randbits(32)
@@ -437,7 +447,7 @@ class DatagramEndpoint:
         self._bucket = None
         self._send_batch = SEND_BATCH
         if rate is not None:
-            frame = HEADER_SIZE + self.capacity + self._frame_overhead
+            frame = HEADER_SIZE + self.capacity + self.trailer + self._frame_overhead
             burst = burst or max(4 * frame, min(int(rate / 8 * BURST_SECONDS),
                                                 BURST_FRAMES * frame))
             self._bucket = TokenBucket(rate, burst, time.monotonic())
@@ -458,13 +468,14 @@ class DatagramEndpoint:
         self.address: tuple[str, int] = self._sock.getsockname()[:2]
         self._poll = select.poll()
         self._poll.register(self._sock, select.POLLIN)
-        slot = HEADER_SIZE + self.capacity + 1  # one more: a longer datagram shows as oversize
+        # one more byte: a longer datagram shows as oversize
+        slot = HEADER_SIZE + self.capacity + self.trailer + 1
         self._ring = ReceiveRing(max(16, min(512, RING_BYTES // slot)), slot)
         self._flowing = False  # the last read found datagrams
         self._read_due = 0.0  # when a paced sender reads next
         self._peers: dict[int, tuple[str, int]] = {}
         self._names: dict[int, bytes] = {}  # per peer, its C sockaddr
-        self._ranks: dict[tuple[str, int], int] = {}
+        self._sources = SourceTable(ipv6=ipv6)
         self._next_seq: dict[int, int] = defaultdict(int)
         self._counters: dict[int, DatagramCounters] = defaultdict(DatagramCounters)
         self._streams: dict[int, _Stream] = {}
@@ -486,16 +497,16 @@ class DatagramEndpoint:
             self.add_peer(peer, peer_address)
 
     def add_peer(self, rank: int, address: tuple[str, int]) -> None:
-        """Where `rank` is (numeric address): where its chunks go, and whose datagrams that
-        fail to decode are counted against."""
+        """Where `rank` is (numeric address): where its chunks go, the only address its
+        datagrams are taken from, and whose datagrams that are refused are counted against."""
         name = sockaddr(address)
         self._peers[rank] = address
         self._names[rank] = name
-        self._ranks[address_of(name)] = rank
+        self._sources.add(rank, name)
 
     def chunk_numel(self, codec: Codec = Codec.FLOAT32) -> int:
         """Elements per chunk; chunk i of a tensor holds elements i * chunk_numel onwards."""
-        return chunk_numel(self.mtu, codec, ipv6=self._ipv6)
+        return self._chunk_numel[codec]
 
     def send_tensor(
         self,
@@ -553,8 +564,10 @@ class DatagramEndpoint:
             template = Header(MAGIC, VERSION, kind, codec, self.rank, self.run_id,
                               self.incarnation, 0, step, bucket, 0, 0, 0)
             headers = encode_headers(template, self._next_seq[peer], ends - starts)
+            trailers = (None if self._mac is None
+                        else self._mac.sign(peer, headers, arrays, starts, ends))
             runs.append(Batch(name, headers, [(a.ctypes.data, a.size) for a in arrays], starts,
-                            ends))
+                              ends, trailers))
         for peer, run in zip(peers, runs, strict=True):
             self._next_seq[peer] += len(run.starts)
         outgoing = Outgoing(runs)
@@ -801,18 +814,25 @@ class DatagramEndpoint:
         self._flowing = total > 0
 
     def _receive(self, rows: np.ndarray, lengths: np.ndarray, now: float) -> None:
-        """One batch just read: check it, then sequence, count and route each sender's part
-        (streams and first copies are per sender; usually a batch holds one)."""
+        """One batch just read: check it (headers, source addresses, MACs), then sequence,
+        count and route each sender's part (streams and first copies are per sender; usually
+        a batch holds one). A refused datagram is counted against the peer whose address it
+        came from: its header cannot be trusted."""
+        names = self._ring.names[:len(rows)]
         headers = headers_of(rows)
-        ok = accepted(headers, lengths, self.run_id, capacity=self.capacity)
-        for i in np.flatnonzero(~ok).tolist():  # the decoder names the fault, one by one
-            try:
-                decode(rows[i, :lengths[i]], self.run_id, capacity=self.capacity)
-            except MalformedDatagram as exc:
-                source = address_of(self._ring.names[i])
-                self._reject(self._ranks.get(source, UNKNOWN_PEER), exc.reason)
-            else:
-                ok[i] = True
+        codes = rejections(headers, lengths, self.run_id, capacity=self.capacity,
+                           trailer=self.trailer)
+        codes[(codes == ACCEPTED) & ~self._sources.registered(headers["sender"], names)] = (
+            code_of(Reason.WRONG_SOURCE))
+        if self._mac is not None:
+            which = np.flatnonzero(codes == ACCEPTED)
+            if len(which):
+                ends = HEADER_SIZE + headers["payload_len"][which].astype(np.int64)
+                codes[which[~self._mac.verify(self.rank, rows, which, ends)]] = (
+                    code_of(Reason.BAD_MAC))
+        ok = codes == ACCEPTED
+        if not ok.all():
+            self._reject(names[~ok], codes[~ok])
         if not ok.any():
             return
         batch = _Batch(rows, headers, np.full(len(rows), now))
@@ -830,23 +850,33 @@ class DatagramEndpoint:
         counted and routed."""
         took = np.zeros(len(batch), dtype=bool)
         # runs of one incarnation, in order: a new one retires the stream before it
-        incarnations, seqs = batch["incarnation"], batch["seq"]
+        incarnations, seqs, steps = batch["incarnation"], batch["seq"], batch["step"]
         runs = np.flatnonzero(incarnations[1:] != incarnations[:-1]) + 1
-        for start, end in zip([0, *runs.tolist()], [*runs.tolist(), len(batch)], strict=True):
-            stream = self._streams.get(sender)
+        for first, end in zip([0, *runs.tolist()], [*runs.tolist(), len(batch)], strict=True):
+            stream, start = self._streams.get(sender), first
             incarnation = int(incarnations[start])
             if stream is None or stream.incarnation != incarnation:
                 if incarnation in self._retired[sender]:
                     continue
                 if stream is not None:
+                    # A restarted sender goes on from the live step: datagrams of an unknown
+                    # incarnation whose step is behind the stream's are a recording of an
+                    # earlier one, replayed (with the run's key they still carry a valid MAC),
+                    # and retire nothing; the first that is not behind starts the new stream.
+                    behind = steps[start:end] < stream.step
+                    if behind.all():
+                        continue
+                    start += int(behind.argmin())
                     self._retired[sender].add(stream.incarnation)
                     self._lost_before[sender] += stream.lost
                 stream = self._streams[sender] = _Stream(incarnation, int(seqs[start]),
-                                                         self.replay_window)
+                                                         self.replay_window, int(steps[start]))
                 took[start] = True
                 start += 1
             if start < end:
                 took[start:end] = stream.accept(seqs[start:end])
+            if took[first:end].any():
+                stream.step = max(stream.step, int(steps[first:end][took[first:end]].max()))
         kept = int(took.sum())
         if kept < len(batch):
             self._counters[sender].datagrams_replayed += len(batch) - kept
@@ -855,7 +885,8 @@ class DatagramEndpoint:
         if kept:
             counters = self._counters[sender]
             counters.datagrams_received += kept
-            counters.bytes_received += int(batch["payload_len"].sum()) + kept * HEADER_SIZE
+            counters.bytes_received += (int(batch["payload_len"].sum())
+                                        + kept * (HEADER_SIZE + self.trailer))
             progress = batch["kind"] == Kind.PROGRESS
             self._advance(sender, batch, progress)
             if progress.any():  # said, taken in: nothing to route
@@ -922,11 +953,20 @@ class DatagramEndpoint:
         for key, rows in waiting.items():
             self._waiting.setdefault(key, []).append(batch.take(np.array(rows)))
 
-    def _reject(self, peer: int, reason: Reason) -> None:
-        self._rejected[reason] += 1
-        counters = self._counters[peer]
-        name = f"datagrams_{reason.category}"
-        setattr(counters, name, getattr(counters, name) + 1)
+    def _reject(self, names: np.ndarray, codes: np.ndarray) -> None:
+        """Count refused datagrams, each for its reason (`codes`, `wire.rejections`' codes)
+        against the peer at its source address (`names`, their sockaddrs; UNKNOWN_PEER for
+        strangers)."""
+        owners = self._sources.owners(names)
+        # one number per (owner, reason): owners from UNKNOWN_PEER (-1) up, codes below 256
+        pairs, counts = np.unique((owners + 1) * 256 + codes, return_counts=True)
+        for pair, count in zip(pairs.tolist(), counts.tolist(), strict=True):
+            peer, code = pair // 256 - 1, pair % 256
+            reason = REASONS[code - 1]
+            self._rejected[reason] += count
+            counters = self._counters[peer]
+            name = f"datagrams_{reason.category}"
+            setattr(counters, name, getattr(counters, name) + count)
 
     def _close(self, key: Key) -> None:
         """Close a key; keys of steps that fell out of the history are closed too, and what

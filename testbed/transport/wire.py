@@ -4,13 +4,17 @@ Everything is big-endian and every field sits at an offset that is a multiple of
 a payload right after the 44-byte datagram header is 4-byte aligned and can be viewed as float32
 without a copy. No torch here: the format is plain bytes, encoded with numpy for a whole tensor's
 chunks at once, checked with numpy for a whole batch of received datagrams at once
-(`header_view`, `accepted`), and decoded with `struct` one datagram at a time.
+(`headers_of`, `rejections`), and decoded with `struct` one datagram at a time.
 
 Network input is untrusted: `decode` either returns a header whose every field is consistent
 with the datagram's length, or raises `MalformedDatagram` with a `Reason` (never anything else),
-so a receive loop can count the reason and go on. `accepted` is its vectorised twin for the
-common case; a receive loop asks `decode` about the datagrams `accepted` turns down, and the
-decoder's word is final.
+so a receive loop can count the reason and go on. `rejections` is its vectorised twin: the
+reason `decode` would give each datagram of a batch, so a receive loop names every fault of a
+batch (a flood of garbage included) without a Python call per datagram.
+
+With a keyed MAC (`testbed.transport.auth`) every datagram ends in a `trailer` of MAC bytes
+after its payload: the header's `payload_len` leaves it out, and the payload a datagram may
+carry shrinks by it (`payload_capacity(..., trailer=)`), so datagrams still fit the MTU.
 
 `step` and `bucket` (32 bits each) say which call a datagram or message belongs to. `bucket`
 tells apart the calls of one step: lossy and the ring number their calls within a step and the
@@ -68,7 +72,7 @@ class Codec(IntEnum):
 
 ITEMSIZE = {Codec.BYTES: 1, Codec.FLOAT32: 4, Codec.FLOAT16: 2, Codec.BFLOAT16: 2, Codec.INT8: 1}
 _KINDS = frozenset(int(kind) for kind in Kind)
-# Lookup tables over every value of the u8 kind and u16 codec fields, for `accepted`.
+# Lookup tables over every value of the u8 kind and u16 codec fields, for `rejections`.
 _KIND_VALID = np.isin(np.arange(256), list(_KINDS))
 _ITEMSIZES = np.zeros(65536, dtype=np.int64)  # 0: no such codec
 _ITEMSIZES[list(ITEMSIZE)] = list(ITEMSIZE.values())
@@ -89,15 +93,32 @@ class Reason(StrEnum):
     BAD_PAYLOAD = "bad_payload"  # not a whole number of the codec's elements
     MTU_MISMATCH = "mtu_mismatch"  # chunked for another MTU: chunk i would not start at i * n
     REPLAYED = "replayed"  # sequence number already seen, or older than the replay window
+    # Not the decoder's: a well-formed datagram whose source address is not the one registered
+    # for the sender its header names, or whose MAC does not prove the run's key.
+    WRONG_SOURCE = "wrong_source"
+    BAD_MAC = "bad_mac"
 
     @property
     def category(self) -> str:
         """`foreign`, `replayed` or `malformed`: the per-peer counter it goes to."""
-        if self in (Reason.BAD_MAGIC, Reason.BAD_VERSION, Reason.FOREIGN_RUN):
+        if self in _FOREIGN:
             return "foreign"
         if self is Reason.REPLAYED:
             return "replayed"
         return "malformed"
+
+
+_FOREIGN = frozenset({Reason.BAD_MAGIC, Reason.BAD_VERSION, Reason.FOREIGN_RUN,
+                      Reason.WRONG_SOURCE, Reason.BAD_MAC})
+# `rejections`' codes (uint8): ACCEPTED, else 1 + the reason's place in REASONS
+REASONS = tuple(Reason)
+ACCEPTED = 0
+_CODES = {reason: place + 1 for place, reason in enumerate(REASONS)}
+
+
+def code_of(reason: Reason) -> int:
+    """The code `rejections` gives a datagram refused for `reason`."""
+    return _CODES[reason]
 
 
 class MalformedDatagram(ValueError):
@@ -182,19 +203,20 @@ class FrameHeader(NamedTuple):
     length: int
 
 
-def payload_capacity(mtu: int, *, ipv6: bool = False) -> int:
-    """Payload bytes per datagram that fit one IP packet of `mtu` bytes, so no datagram is ever
-    fragmented (one lost fragment would lose the whole datagram)."""
+def payload_capacity(mtu: int, *, ipv6: bool = False, trailer: int = 0) -> int:
+    """Payload bytes per datagram that fit one IP packet of `mtu` bytes with a `trailer` (a
+    MAC) after them, so no datagram is ever fragmented (one lost fragment would lose the whole
+    datagram)."""
     ip = IPV6_HEADER if ipv6 else IPV4_HEADER
-    capacity = min(mtu, MAX_IP_PACKET) - ip - UDP_HEADER - HEADER_SIZE
+    capacity = min(mtu, MAX_IP_PACKET) - ip - UDP_HEADER - HEADER_SIZE - trailer
     if capacity < 8:
         raise ValueError(f"mtu: {mtu} leaves {capacity} payload bytes per datagram; needs >= 8")
     return capacity
 
 
-def chunk_numel(mtu: int, codec: Codec, *, ipv6: bool = False) -> int:
+def chunk_numel(mtu: int, codec: Codec, *, ipv6: bool = False, trailer: int = 0) -> int:
     """Elements per chunk: what a full datagram holds. Chunk i starts at i * chunk_numel."""
-    return payload_capacity(mtu, ipv6=ipv6) // ITEMSIZE[codec]
+    return payload_capacity(mtu, ipv6=ipv6, trailer=trailer) // ITEMSIZE[codec]
 
 
 def encode(header: Header, payload: bytes | bytearray | memoryview = b"") -> bytes:
@@ -225,15 +247,16 @@ def full_payload(capacity: int, itemsize: int) -> int:
 
 
 def decode(datagram: bytes | bytearray | memoryview, run_id: int | None = None, *,
-           capacity: int | None = None) -> Header:
+           capacity: int | None = None, trailer: int = 0) -> Header:
     """The header of a whole datagram, checked against its length; raises `MalformedDatagram`.
 
     With `run_id`, a header of another run is `FOREIGN_RUN`. With `capacity` (the receiver's
     `payload_capacity`), a datagram cut for another MTU is refused: a longer one as `OVERSIZE`,
     one whose chunks would not start at multiples of the receiver's chunk size (a chunk other
-    than the last that is not full, or any longer than full) as `MTU_MISMATCH`.
+    than the last that is not full, or any longer than full) as `MTU_MISMATCH`. `trailer`
+    bytes (a MAC, checked elsewhere) follow the payload.
     """
-    if capacity is not None and len(datagram) > HEADER_SIZE + capacity:
+    if capacity is not None and len(datagram) > HEADER_SIZE + capacity + trailer:
         raise MalformedDatagram(Reason.OVERSIZE, f"{len(datagram)} bytes")
     if len(datagram) < HEADER_SIZE:
         raise MalformedDatagram(Reason.TRUNCATED, f"{len(datagram)} bytes")
@@ -241,7 +264,7 @@ def decode(datagram: bytes | bytearray | memoryview, run_id: int | None = None, 
     _check(header.magic, header.version, header.run_id, run_id, header.kind, header.codec)
     if header.chunk >= header.chunks:
         raise MalformedDatagram(Reason.BAD_CHUNK, f"chunk {header.chunk} of {header.chunks}")
-    if header.payload_len != len(datagram) - HEADER_SIZE:
+    if header.payload_len != len(datagram) - HEADER_SIZE - trailer:
         raise MalformedDatagram(
             Reason.BAD_LENGTH, f"header says {header.payload_len}, {len(datagram)} bytes came"
         )
@@ -277,33 +300,39 @@ def _row_dtype(stride: int) -> np.dtype:
     })
 
 
-def accepted(headers: np.ndarray, lengths: np.ndarray, run_id: int | None = None, *,
-             capacity: int | None = None) -> np.ndarray:
-    """`decode` for a batch: which of the datagrams (`headers` as `headers_of` gives them,
-    `lengths` in bytes received) it would accept, a bool each. Where a datagram is shorter
-    than a header, its row's header bytes are whatever the buffer held; it is refused all the
-    same."""
+def rejections(headers: np.ndarray, lengths: np.ndarray, run_id: int | None = None, *,
+               capacity: int | None = None, trailer: int = 0) -> np.ndarray:
+    """`decode` for a batch: for each datagram (`headers` as `headers_of` gives them, `lengths`
+    in bytes received), the code of the reason `decode` would refuse it with (`code_of`), or
+    ACCEPTED. Where a datagram is shorter than a header, its row's header bytes are whatever the
+    buffer held; it is refused as truncated all the same."""
     itemsize = _ITEMSIZES[headers["codec"]]
     size = np.maximum(itemsize, 1)
     payload, chunk, chunks = headers["payload_len"], headers["chunk"], headers["chunks"]
-    ok = (
-        (lengths >= HEADER_SIZE)
-        & (headers["magic"] == MAGIC)
-        & (headers["version"] == VERSION)
-        & _KIND_VALID[headers["kind"]]
-        & (itemsize > 0)
-        & (chunk < chunks)
-        & (payload == lengths - HEADER_SIZE)
-        & (payload % size == 0)
-    )
+    # decode's checks in its order: the first that fails names the datagram's reason
+    checks = [
+        (lengths < HEADER_SIZE, Reason.TRUNCATED),
+        (headers["magic"] != MAGIC, Reason.BAD_MAGIC),
+        (headers["version"] != VERSION, Reason.BAD_VERSION),
+        (~_KIND_VALID[headers["kind"]], Reason.BAD_KIND),
+        (itemsize == 0, Reason.BAD_CODEC),
+        (chunk >= chunks, Reason.BAD_CHUNK),
+        (payload != lengths - HEADER_SIZE - trailer, Reason.BAD_LENGTH),
+        (payload % size != 0, Reason.BAD_PAYLOAD),
+    ]
     if run_id is not None:
-        ok &= headers["run_id"] == run_id
+        checks.insert(3, (headers["run_id"] != run_id, Reason.FOREIGN_RUN))
     if capacity is not None:
         full = capacity // size * itemsize
+        checks.insert(0, (lengths > HEADER_SIZE + capacity + trailer, Reason.OVERSIZE))
         # chunk < chunks where it counts, so chunks - chunk cannot wrap there
-        ok &= (lengths <= HEADER_SIZE + capacity) & (payload <= full) & (
-            (chunks - chunk == 1) | (payload == full))
-    return ok
+        checks.append(((payload > full) | ((chunks - chunk != 1) & (payload != full)),
+                       Reason.MTU_MISMATCH))
+    failed = np.stack([check for check, _ in checks], axis=1)  # (k, checks)
+    first = failed.argmax(axis=1)  # the first check each datagram fails (0 if none)
+    named = np.array([code_of(reason) for _, reason in checks], dtype=np.uint8)
+    return np.where(failed[np.arange(len(first)), first], named[first], ACCEPTED).astype(
+        np.uint8)
 
 
 def encode_frame(header: FrameHeader) -> bytes:

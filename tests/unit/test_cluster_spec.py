@@ -122,3 +122,41 @@ def test_link_changes_reach_the_worker_and_a_restarted_one_takes_the_latest(tmp_
     WorkerControl(tmp_path / "logs" / "control-1.jsonl", seed=1, rank=1,
                   on_link=lambda peer, profile: again.append((peer, profile)))
     assert again[-2:] == [(2, cut), (0, LinkProfile(loss=0.05))]
+
+
+class _Network:
+    """What `ClusterRun._write_specs` reads of a built network."""
+
+    hosts = HOSTS
+    control_address = "198.18.0.254"
+
+    def namespace(self, worker: int) -> str:
+        return f"tb-test-h{worker}"
+
+
+@pytest.mark.parametrize("authenticate", ["true", "auto"])
+def test_a_run_that_authenticates_hands_workers_its_key_in_a_file_only_they_read(
+        tmp_path: Path, authenticate: str):
+    """In namespaces `auto` is off; `true` makes a key per run, in a 0600 file the specs name:
+    the key itself is in no spec, and each worker's placement carries it."""
+    from testbed.cluster.runner import KEY_FILE, ClusterRun
+
+    path = tmp_path / "s.yaml"
+    path.write_text("name: s\nworkers: 3\ncollective: {kind: lossy}\n"
+                    f"security: {{authenticate: {authenticate}}}\n")
+    run = ClusterRun(path, run_dir=tmp_path / "run")
+    (run.run_dir / "logs").mkdir(parents=True)
+    run._write_specs(_Network())
+    key_path = run.run_dir / KEY_FILE
+    specs = [WorkerSpec.from_json(run._spec_path(rank).read_text()) for rank in range(3)]
+    if authenticate == "auto":
+        assert not key_path.exists() and all(s.key_file is None for s in specs)
+        assert placement(specs[0], run.scenario).key is None
+        return
+    assert key_path.stat().st_mode & 0o777 == 0o600
+    key = key_path.read_bytes()
+    for rank, each in enumerate(specs):
+        text = run._spec_path(rank).read_bytes()
+        assert key not in text and key.hex().encode() not in text
+        assert each.key_file == str(key_path.resolve())
+        assert placement(each, run.scenario).key == key

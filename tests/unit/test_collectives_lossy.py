@@ -21,17 +21,20 @@ from testbed.transport.wire import Kind
 
 RUN = 7
 LR = 0.1
+KEY = bytes(range(32))
 
 
 def lossy_group(
-    world: int, *, resync_every: int = 0, deadline: float = 5.0, **options
+    world: int, *, resync_every: int = 0, deadline: float = 5.0, key: bytes | None = None,
+    **options
 ) -> list[Lossy]:
-    """`world` workers on loopback, sockets bound first so the addresses are free ports. The
-    deadline is fixed (floor = initial): a busy host must not make a learned one cut off
-    chunks in tests that expect every one of them; it costs nothing when none is missing."""
-    endpoints = [DatagramEndpoint(rank, RUN, ("127.0.0.1", 0)) for rank in range(world)]
+    """`world` workers on loopback, sockets bound first so the addresses are free ports (with
+    `key`, the run's: datagrams MACed, TCP hellos proving it). The deadline is fixed (floor =
+    initial): a busy host must not make a learned one cut off chunks in tests that expect
+    every one of them; it costs nothing when none is missing."""
+    endpoints = [DatagramEndpoint(rank, RUN, ("127.0.0.1", 0), key=key) for rank in range(world)]
     # TCP listeners of their own, bound first too: the UDP ports' numbers may be taken in TCP.
-    listeners = [Listener(("127.0.0.1", 0)) for _ in range(world)]
+    listeners = [Listener(("127.0.0.1", 0), key=key) for _ in range(world)]
     return run_concurrently(*(
         lambda rank=rank: Lossy(
             rank, world, addresses=[e.address for e in endpoints], endpoint=endpoints[rank],
@@ -69,9 +72,10 @@ def kept(loss: SeededLoss, kind: Kind, step: int, sender: int, receiver: int, nu
     return (~lost).repeat_interleave(chunk_numel)[:numel]
 
 
+@pytest.mark.parametrize("key", [None, KEY], ids=["open", "keyed"])
 @pytest.mark.parametrize(("world", "numel"), [(3, 300_001), (4, 3)])
-def test_without_loss_every_worker_gets_the_exact_mean(world, numel):
-    group = lossy_group(world)
+def test_without_loss_every_worker_gets_the_exact_mean(world, numel, key):
+    group = lossy_group(world, key=key)
     try:
         assert all(isinstance(collective, Collective) for collective in group)
         inputs = seeded(world, numel)
@@ -172,10 +176,11 @@ def test_missed_broadcast_chunks_stay_stale_until_the_next_broadcast_overwrites_
         close_all(group)
 
 
-def test_a_periodic_resync_over_tcp_makes_every_copy_the_owners():
+@pytest.mark.parametrize("key", [None, KEY], ids=["open", "keyed"])
+def test_a_periodic_resync_over_tcp_makes_every_copy_the_owners(key):
     world, numel = 3, 30_000
     loss = SeededLoss(0.3, seed=3, kinds=frozenset({Kind.PARAMETER}))
-    group = lossy_group(world, test_loss=loss, resync_every=2)
+    group = lossy_group(world, test_loss=loss, resync_every=2, key=key)
     try:
         parameters = [torch.zeros(numel)] * world
         gradients = seeded(world, numel)

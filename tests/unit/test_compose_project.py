@@ -12,11 +12,12 @@ import pytest
 import yaml
 
 from netem.profile import LinkProfile
-from testbed.cluster.node import IngressLinks, Node, preempting, service_name
+from testbed.cluster.node import KEY_FILE, IngressLinks, Node, preempting, service_name
 from testbed.cluster.relay import TARGETS_FILE
 from testbed.cluster.worker import PORTS
 from testbed.compose import (
     FILE,
+    KEY_COPY,
     MONITORING,
     PROMETHEUS_CONFIG,
     ROOT,
@@ -29,6 +30,7 @@ from testbed.compose import (
 )
 from testbed.scenario import load_scenario, scenario_files
 from testbed.scenario.links import CUT
+from testbed.transport.auth import read_key
 
 
 @pytest.mark.parametrize("path", scenario_files(), ids=lambda path: path.stem)
@@ -55,6 +57,8 @@ def test_every_shipped_scenario_makes_a_portable_project_in_step_with_it(path: P
         assert "/metrics" in service["healthcheck"]["test"][-1]
         assert service.get("depends_on") == (
             None if rank == 0 else {"worker-0": {"condition": "service_started"}})
+        mounted = f"./{KEY_COPY}:{KEY_FILE}:ro" in service["volumes"]
+        assert mounted == scenario.authenticates("compose")
     # Written once, referred to by every other worker.
     assert text.count("build: &worker-build") == 1
     assert text.count("build: *worker-build") == scenario.count - 1
@@ -86,6 +90,7 @@ def test_every_shipped_scenario_makes_a_portable_project_in_step_with_it(path: P
     assert scrape["file_sd_configs"] == [{"files": [f"/runs/{TARGETS_FILE}"],
                                           "refresh_interval": "2s"}]
     assert (tmp_path / SCENARIO_COPY).read_text() == path.read_text()
+    assert (tmp_path / KEY_COPY).exists() == scenario.authenticates("compose")
     assert check_compose(tmp_path) == []
 
 
@@ -97,6 +102,26 @@ def test_the_default_project_reaches_the_checkout_by_a_path_that_moves_with_it()
     assert str(ROOT) not in written.read_text()
     build = yaml.safe_load(written.read_text())["services"]["worker-0"]["build"]
     assert build["context"] == "../../.."
+
+
+def test_each_project_of_an_authenticating_scenario_has_a_new_secret_only_its_owner_reads(
+        tmp_path: Path):
+    path = tmp_path / "s.yaml"
+    path.write_text("name: s\nworkers: 2\njob: {model: mlp, steps: 10}\n"
+                    "collective: {kind: lossy}\n")
+    out = tmp_path / "out"
+    write_project(path, out)
+    first = read_key(out / KEY_COPY)  # refuses a file others may read
+    write_project(path, out)
+    assert read_key(out / KEY_COPY) != first
+    (out / KEY_COPY).unlink()
+    assert check_compose(out) == [KEY_COPY]
+    path.write_text(path.read_text() + "security: {authenticate: false}\n")
+    write_project(path, out)
+    project = yaml.safe_load((out / FILE).read_text())
+    assert not (out / KEY_COPY).exists() and check_compose(out) == []
+    assert all(KEY_COPY not in " ".join(service.get("volumes", []))
+               for service in project["services"].values())
 
 
 def test_a_project_out_of_step_with_its_scenario_is_found(tmp_path: Path):

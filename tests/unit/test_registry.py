@@ -41,6 +41,20 @@ def test_capabilities_match_the_implementation(kind):
         assert not capabilities.takes_back  # an exact collective fixes its peers at the start
 
 
+@pytest.mark.parametrize("kind", registry.kinds())
+def test_a_kind_that_authenticates_is_handed_the_runs_key_and_no_other_is(kind):
+    placement = registry.Placement(rank=0, world=2, hosts=["10.0.0.1", "10.0.0.2"],
+                                   port=lambda name, rank: 29500, key=b"k" * 32)
+    given = registry.kind(kind).place(placement)
+    parameters = inspect.signature(collectives.implementation(kind)).parameters
+    if registry.kind(kind).capabilities.authenticates:
+        assert given["key"] == b"k" * 32
+        assert parameters["key"].kind is inspect.Parameter.KEYWORD_ONLY
+    else:
+        assert "key" not in given
+    assert "k" * 32 not in repr(placement)  # never printed
+
+
 def test_unknown_kinds_are_named_with_the_allowed_ones():
     with pytest.raises(ValueError, match=r"collective\.kind: expected one of ring, gloo"):
         registry.kind("rign")

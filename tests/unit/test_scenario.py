@@ -366,6 +366,31 @@ def test_collective_options_are_the_constructors():
     assert scenario.collective.options() == {"group_size": 4, "timeout": 2.0, "heartbeat": 0.5}
 
 
+@pytest.mark.parametrize(("text", "namespaces", "compose"), [
+    ("collective: {kind: lossy}", False, True),  # auto: on where the network is shared
+    ("collective: {kind: ring}\nsecurity: {authenticate: true}", True, True),
+    ("collective: {kind: moshpit}\nsecurity: {authenticate: false}", False, False),
+    ("collective: {kind: gloo}", False, False),  # auto: gloo cannot prove a key
+    ("job: {command: [python, train.py]}", False, False),  # nor a command of the user's own
+])
+def test_authenticate_auto_is_on_under_compose_where_the_collective_can(text, namespaces,
+                                                                         compose):
+    scenario = load_scenario(text + "\n")
+    assert scenario.authenticates("namespaces") is namespaces
+    assert scenario.authenticates("compose") is compose
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("collective: {kind: gloo}", "collective gloo cannot prove the run's key on its sockets"),
+    ("job: {command: [python, train.py]}", "a command job's sockets are its own program's"),
+])
+def test_authenticate_true_needs_sockets_the_testbed_can_authenticate(text, message):
+    with pytest.raises(ScenarioError) as caught:
+        load_scenario(f"{text}\nsecurity: {{authenticate: true}}\n")
+    (problem,) = caught.value.problems
+    assert problem.path == "security.authenticate" and message in problem.message
+
+
 # --- shipped scenarios, schema, CLI -------------------------------------------------------------
 
 
@@ -425,10 +450,13 @@ BAD = [
     ("timeline: [{at: -1s, kill: 1}]", "timeline[0].at"),
     ("timeline: [{at: 1s, set_link: {profile: {jitter: 3}}}]",
      "timeline[0].set_link.profile.jitter"),
+    ("security: {authenticate: maybe}", "security.authenticate"),
+    ("security: {authenticate: 1}", "security.authenticate"),
 ]
 GOOD = ["topology: {default: {delay: 0, loss: 5%, rate: 100mbit}}",
         "topology: {default: {delay: 1.5ms, jitter: 200us, loss: 0.05}}",
-        "topology: {default: {delay: '0ms', loss: 100%, rate: 1.5gbit}}"]
+        "topology: {default: {delay: '0ms', loss: 100%, rate: 1.5gbit}}",
+        "security: {authenticate: auto}", "security: {authenticate: false}"]
 
 
 @pytest.mark.parametrize(("text", "field"), BAD, ids=[field for _, field in BAD])

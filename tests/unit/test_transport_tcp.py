@@ -4,6 +4,7 @@ who waited for whom and for what."""
 from __future__ import annotations
 
 import socket
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -12,6 +13,11 @@ import torch
 
 from testbed.collectives.lab import run_concurrently
 from testbed.transport import (
+    FRAME_SIZE,
+    MAGIC,
+    VERSION,
+    Codec,
+    FrameHeader,
     Kind,
     Listener,
     PeerClosed,
@@ -21,18 +27,23 @@ from testbed.transport import (
     TransportError,
     TransportTimeout,
 )
+from testbed.transport.auth import NONCE_SIZE, hello_proof
+from testbed.transport.tcp import HELLO_TIMEOUT
+from testbed.transport.wire import encode_frame
 
 RUN = 31
 LOOPBACK = ("127.0.0.1", 0)
 WAIT = 10.0
+KEY = bytes(range(32))
 
 
 @pytest.fixture
 def mesh() -> Iterator[Callable[..., list[StreamMesh]]]:
     opened: list[StreamMesh] = []
 
-    def build(world: int, congestion: str | None = None) -> list[StreamMesh]:
-        listeners = [Listener(LOOPBACK, congestion=congestion) for _ in range(world)]
+    def build(world: int, congestion: str | None = None,
+              key: bytes | None = None) -> list[StreamMesh]:
+        listeners = [Listener(LOOPBACK, congestion=congestion, key=key) for _ in range(world)]
         addresses = {rank: listener.address for rank, listener in enumerate(listeners)}
         meshes = run_concurrently(*[
             lambda rank=rank: StreamMesh.open(rank, listeners[rank], addresses, run_id=RUN,
@@ -49,11 +60,18 @@ def mesh() -> Iterator[Callable[..., list[StreamMesh]]]:
         each.close()
 
 
-def test_mesh_connects_every_pair(mesh):
-    meshes = mesh(4)
+@pytest.mark.parametrize("key", [None, KEY])
+def test_mesh_connects_every_pair(mesh, key):
+    meshes = mesh(4, key=key)
     for rank, each in enumerate(meshes):
         assert sorted(each.streams) == [p for p in range(4) if p != rank]
         assert all(each[p].peer == p and each[p].rank == rank for p in each.streams)
+    challenge = NONCE_SIZE if key else 0  # the listener's nonce, on the accepted side
+    hello = FRAME_SIZE + 2 + (16 if key else 0)
+    assert meshes[0][1].counters().bytes_sent == challenge  # rank 1 called rank 0
+    assert meshes[0][1].counters().bytes_received == hello
+    assert meshes[1][0].counters().bytes_sent == hello
+    assert meshes[1][0].counters().bytes_received == challenge
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
@@ -125,6 +143,87 @@ def test_a_caller_slow_to_say_hello_holds_up_nobody_and_is_heard_later():
         assert second.peer == 1
         for stream in (prompt, first, second):
             stream.close()
+
+
+def hello(caller: int, target: int, proof: bytes = b"") -> bytes:
+    """A caller's hello as bytes: its header, the rank it meant to reach, any proof."""
+    payload = target.to_bytes(2, "big") + proof
+    return encode_frame(FrameHeader(MAGIC, VERSION, Kind.HELLO, Codec.BYTES, caller, RUN, 0, 0,
+                                    len(payload))) + payload
+
+
+@pytest.mark.parametrize("key", [None, KEY])
+def test_half_a_hello_holds_up_no_other_caller(key):
+    """A caller that sent half its hello (and then nothing) is waiting on the listener when a
+    real caller comes: the real one is accepted at once, the half one stays unheard. No sleep:
+    the half caller's bytes are in before the real caller connects, and accept's own time
+    limit bounds the wait."""
+    with Listener(LOOPBACK, key=key) as listener, socket.create_connection(
+            listener.address) as half:
+        half.sendall(hello(1, 0)[:FRAME_SIZE // 2])
+        started = time.monotonic()
+        accepted, caller = run_concurrently(
+            lambda: listener.accept(rank=0, run_id=RUN, timeout=WAIT),
+            lambda: Stream.connect(listener.address, rank=2, peer=0, run_id=RUN, timeout=WAIT,
+                                   key=key),
+        )
+        took = time.monotonic() - started
+        assert accepted.peer == 2 and took < WAIT < HELLO_TIMEOUT
+        with pytest.raises(TransportTimeout, match=r"connected, no whole hello yet: "
+                                                   r"127\.0\.0\.1:\d+ \(14 bytes of its hello\)"):
+            listener.accept(rank=0, run_id=RUN, timeout=0.2)
+        accepted.close()
+        caller.close()
+
+
+def test_a_hello_that_does_not_prove_the_key_is_turned_away_and_named():
+    """A keyed listener: a caller with another key, one with none, and one that replays a
+    proof made for another connection's nonce (a passive observer's best try) are all turned
+    away, each named; a caller with the key is accepted."""
+    replayed_proof = hello_proof(KEY, bytes(NONCE_SIZE), RUN, 3, 0)
+
+    def replaying() -> None:
+        with socket.create_connection(listener.address) as observer:
+            observer.settimeout(WAIT)
+            assert len(observer.recv(NONCE_SIZE, socket.MSG_WAITALL)) == NONCE_SIZE
+            observer.sendall(hello(3, 0, replayed_proof))
+            observer.recv(1)  # until the listener closes it
+
+    with Listener(LOOPBACK, key=KEY) as listener:
+        with pytest.raises(TransportTimeout) as caught:
+            run_concurrently(
+                lambda: listener.accept(rank=0, run_id=RUN, timeout=3.0),
+                lambda: Stream.connect(listener.address, rank=1, peer=0, run_id=RUN,
+                                       timeout=WAIT, key=bytes(32)),
+                lambda: Stream.connect(listener.address, rank=2, peer=0, run_id=RUN,
+                                       timeout=WAIT),
+                replaying,
+            )
+        good = run_concurrently(
+            lambda: listener.accept(rank=0, run_id=RUN, timeout=WAIT),
+            lambda: Stream.connect(listener.address, rank=4, peer=0, run_id=RUN, timeout=WAIT,
+                                   key=KEY),
+        )
+        assert good[0].peer == 4
+        for stream in good:
+            stream.close()
+    text = str(caught.value)
+    assert "rank 1's hello does not prove the run's key" in text
+    assert "rank 2 has no key; this run's listener wants proof of one" in text
+    assert "rank 3's hello does not prove the run's key" in text
+
+
+def test_a_keyed_caller_to_a_listener_without_the_key_says_so():
+    with Listener(LOOPBACK) as listener:  # it sends no challenge
+        with pytest.raises(TransportTimeout, match=r"receiving the listener's challenge from "
+                                                   r"rank 0 .* does that listener have the "
+                                                   r"run's key\?"):
+            Stream.connect(listener.address, rank=1, peer=0, run_id=RUN, timeout=0.3, key=KEY)
+        with socket.create_connection(listener.address) as caller:
+            caller.sendall(hello(1, 0, bytes(16)))
+            with pytest.raises(TransportTimeout, match="rank 1 proves a key; this listener has "
+                                                       "none"):
+                listener.accept(rank=0, run_id=RUN, timeout=0.3)
 
 
 def test_unexpected_message_is_a_protocol_error(mesh):

@@ -10,6 +10,7 @@ everything sent before it has been read."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import socket
 import threading
@@ -419,6 +420,20 @@ def test_undecodable_datagrams_from_strangers_count_as_unknown(pair, raw):
     assert receiver.counters()[UNKNOWN_PEER].datagrams_malformed == 1
 
 
+def test_an_earlier_incarnation_replayed_cannot_retire_the_current_stream(raw):
+    """A restarted sender goes on from the live step; datagrams of an incarnation this receiver
+    never saw whose step goes back (recorded before the receiver restarted, replayed) are
+    refused as replays, and the current stream goes on."""
+    with DatagramEndpoint(1, RUN, LOOPBACK, peers={5: raw.getsockname()}) as receiver:
+        raw.sendto(crafted(0, incarnation=2, step=7), receiver.address)
+        raw.sendto(crafted(40, incarnation=1, step=6), receiver.address)  # the recording
+        raw.sendto(crafted(1, incarnation=2, kind=Kind.CONTROL, step=1000), receiver.address)
+        wait_for_marker(receiver)
+        counters = receiver.counters()[5]
+    assert counters.datagrams_received == 2 and counters.datagrams_replayed == 1
+    assert counters.datagrams_lost == 0
+
+
 def test_a_restarted_sender_starts_a_new_stream(raw):
     with DatagramEndpoint(1, RUN, LOOPBACK, peers={5: raw.getsockname()}) as receiver:
         for seq in range(3):
@@ -432,6 +447,41 @@ def test_a_restarted_sender_starts_a_new_stream(raw):
         counters = receiver.counters()[5]
     assert counters.datagrams_received == 5 and counters.datagrams_replayed == 1
     assert counters.datagrams_lost == 0
+
+
+def test_a_stranger_naming_a_peer_is_refused_and_cannot_retire_its_stream(raw):
+    """A well-formed datagram from an address nobody registered, naming rank 5 with a fresh
+    incarnation: refused as wrong_source against UNKNOWN_PEER, before it reaches a stream, so
+    rank 5's real stream goes on (no datagram of it counts as replayed)."""
+    with (
+        socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as stranger,
+        DatagramEndpoint(1, RUN, LOOPBACK, peers={5: raw.getsockname()}) as receiver,
+    ):
+        stranger.bind(LOOPBACK)
+        raw.sendto(crafted(0, incarnation=1), receiver.address)
+        stranger.sendto(crafted(0, incarnation=2, step=1), receiver.address)
+        stranger.sendto(b"\xff" * 30, receiver.address)
+        raw.sendto(crafted(1, incarnation=1, kind=Kind.CONTROL, step=1000), receiver.address)
+        wait_for_marker(receiver)
+        counters = receiver.counters()
+        rejected = receiver.socket_counters().rejected
+    assert counters[5].datagrams_received == 2 and counters[5].datagrams_replayed == 0
+    assert counters[UNKNOWN_PEER].datagrams_foreign == 1
+    assert counters[UNKNOWN_PEER].datagrams_malformed == 1
+    assert rejected == {"wrong_source": 1, "truncated": 1}
+
+
+def test_a_registered_peer_claiming_another_rank_is_refused_against_itself(pair):
+    """Rank 0 is registered; its datagrams naming rank 2 (also registered, elsewhere) are
+    refused and counted against rank 0, the peer they really came from."""
+    sender, receiver = pair
+    receiver.add_peer(2, ("127.0.0.1", 9))  # rank 2 is somewhere else
+    sender._sock.sendto(crafted(0, sender=2), receiver.address)  # from rank 0's own socket
+    sender.send_tensor(1, Kind.CONTROL, 1000, 0, torch.ones(1))
+    wait_for_marker(receiver, sender=0)
+    counters = receiver.counters()
+    assert counters[0].datagrams_foreign == 1 and 2 not in counters
+    assert receiver.socket_counters().rejected == {"wrong_source": 1}
 
 
 def test_place_puts_chunks_in_order_and_skips_misfits(pair):
@@ -496,8 +546,8 @@ class StreamModel:
     sequence number and a bitmap of the `window` below it; a stream first seen at JOINED_LATE
     or beyond counts from there."""
 
-    def __init__(self, incarnation: int, first: int, window: int) -> None:
-        self.incarnation, self.window = incarnation, window
+    def __init__(self, incarnation: int, first: int, window: int, step: int) -> None:
+        self.incarnation, self.window, self.step = incarnation, window, step
         self.base = first if first >= JOINED_LATE else 0
         self.highest, self.seen, self.received = self.base - 1, 0, 0
 
@@ -519,31 +569,40 @@ class StreamModel:
         return self.highest + 1 - self.base - self.received
 
 
-def modelled_counts(datagrams: list[bytes], source: int, window: int, capacity: int):
-    """Per peer (received, replayed, malformed, foreign, lost), and rejections by reason."""
+def modelled_counts(datagrams: list[tuple[int, bytes]], window: int, capacity: int):
+    """Per peer (received, replayed, malformed, foreign, lost), and rejections by reason, of
+    (source rank, datagram) pairs: a datagram is refused against the rank at its source, and
+    taken only if it names that rank."""
     counts: dict[int, Counter] = defaultdict(Counter)
     reasons: Counter = Counter()
     streams: dict[int, StreamModel] = {}
     retired: dict[int, set[int]] = defaultdict(set)
-    for raw in datagrams:
+    for source, raw in datagrams:
         try:
             header = decode(raw, RUN, capacity=capacity)
         except MalformedDatagram as exc:
             counts[source][exc.reason.category] += 1
             reasons[exc.reason.value] += 1
             continue
+        if header.sender != source:
+            counts[source]["foreign"] += 1
+            reasons["wrong_source"] += 1
+            continue
         sender, stream = header.sender, streams.get(header.sender)
         if stream is None or stream.incarnation != header.incarnation:
-            if header.incarnation in retired[sender]:
+            if header.incarnation in retired[sender] or (
+                    stream is not None and header.step < stream.step):
                 counts[sender]["replayed"] += 1
                 reasons["replayed"] += 1
                 continue
             if stream is not None:
                 retired[sender].add(stream.incarnation)
                 counts[sender]["lost"] += stream.lost
-            stream = streams[sender] = StreamModel(header.incarnation, header.seq, window)
+            stream = streams[sender] = StreamModel(header.incarnation, header.seq, window,
+                                                   header.step)
         if stream.accept(header.seq):
             counts[sender]["received"] += 1
+            stream.step = max(stream.step, header.step)
         else:
             counts[sender]["replayed"] += 1
             reasons["replayed"] += 1
@@ -553,40 +612,48 @@ def modelled_counts(datagrams: list[bytes], source: int, window: int, capacity: 
 
 
 _SEQS = st.one_of(st.integers(0, 90), st.sampled_from([2**63, 2**64 - 2, 2**64 - 1]))
-_VALID = st.builds(lambda sender, incarnation, seq, chunk: crafted(
-    seq, sender=sender, incarnation=incarnation, bucket=seq % 3, chunk=chunk, chunks=2),
-    st.sampled_from([5, 6]), st.sampled_from([1, 2, 3]), _SEQS, st.integers(0, 1))
+_VALID = st.builds(lambda sender, incarnation, seq, chunk, step: crafted(
+    seq, sender=sender, incarnation=incarnation, step=step, bucket=seq % 3, chunk=chunk,
+    chunks=2), st.sampled_from([5, 6]), st.sampled_from([1, 2, 3]), _SEQS, st.integers(0, 1),
+    st.integers(0, 2))
 _BROKEN = st.one_of(
     st.binary(max_size=3 * HEADER_SIZE),
     st.builds(lambda raw, at, mask: raw[:at % len(raw)] + bytes([raw[at % len(raw)] ^ mask])
               + raw[at % len(raw) + 1:], _VALID, st.integers(0, 60), st.integers(1, 255)),
 )
+# Mostly from the rank the datagram names (5 and 6 send from sockets of their own); any from
+# either socket, so a registered peer also claims the other's rank.
+_SENT = st.one_of(
+    _VALID.map(lambda raw: (decode(raw).sender, raw)),
+    st.tuples(st.sampled_from([5, 6]), st.one_of(_VALID, _BROKEN)),
+)
 
 
 @settings(max_examples=120, deadline=None)
-@given(datagrams=st.lists(st.one_of(_VALID, _VALID, _BROKEN), max_size=40),
-       cuts=st.lists(st.integers(0, 40), max_size=4))
+@given(datagrams=st.lists(_SENT, max_size=40), cuts=st.lists(st.integers(0, 40), max_size=4))
 def test_fuzz_batches_count_as_one_at_a_time(datagrams, cuts):
-    """Datagrams from two senders (restarts, replays, reordering, huge sequence numbers) and
-    broken ones, read in batches cut anywhere: every counter is what the one-at-a-time model
-    gives, and nothing raises."""
+    """Datagrams from two senders (restarts, replays, reordering, huge sequence numbers, one
+    claiming to be the other) and broken ones, read in batches cut anywhere: every counter is
+    what the one-at-a-time model gives, and nothing raises."""
     window = 16
-    with (
-        socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as raw,
-        DatagramEndpoint(1, RUN, LOOPBACK, replay_window=window) as receiver,
-    ):
-        raw.bind(LOOPBACK)
-        receiver.add_peer(5, raw.getsockname())
+    with contextlib.ExitStack() as stack:
+        sockets = {}
+        for rank in (5, 6, 7):  # 7 sends the marker
+            sockets[rank] = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_DGRAM))
+            sockets[rank].bind(LOOPBACK)
+        receiver = stack.enter_context(DatagramEndpoint(1, RUN, LOOPBACK, replay_window=window,
+                                                        peers={rank: sock.getsockname()
+                                                               for rank, sock in sockets.items()}))
         bounds = sorted({0, len(datagrams), *(min(cut, len(datagrams)) for cut in cuts)})
         for start, end in itertools.pairwise(bounds):
-            for datagram in datagrams[start:end]:
-                raw.sendto(datagram, receiver.address)
+            for source, datagram in datagrams[start:end]:
+                sockets[source].sendto(datagram, receiver.address)
             receiver.poll()  # loopback delivers within sendto: this read takes the batch
-        raw.sendto(crafted(0, sender=7, kind=Kind.CONTROL, step=1000), receiver.address)
+        sockets[7].sendto(crafted(0, sender=7, kind=Kind.CONTROL, step=1000), receiver.address)
         wait_for_marker(receiver, sender=7)
         counters = receiver.counters()
         rejected = receiver.socket_counters().rejected
-    expected, reasons = modelled_counts(datagrams, 5, window, receiver.capacity)
+    expected, reasons = modelled_counts(datagrams, window, receiver.capacity)
     for peer in (5, 6):
         got = counters.get(peer)
         assert (got.datagrams_received if got else 0) == expected[peer]["received"]
@@ -612,6 +679,7 @@ def test_fuzz_chunks_land_in_two_parts_in_any_order(numel, split, order, copies,
     ):
         relay.bind(LOOPBACK)
         sender.add_peer(1, relay.getsockname())
+        receiver.add_peer(0, relay.getsockname())  # rank 0's datagrams come from the relay
         count = sender.send_tensor(1, Kind.PARAMETER, 0, 0, (values[:split], values[split:]))
         replay = [relay.recv(2048) for _ in range(count)] * copies
         order.shuffle(replay)

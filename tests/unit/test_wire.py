@@ -1,6 +1,6 @@
 """The wire format: every field survives a round trip, every rejection has its reason, no bytes
 at all make the decoder raise anything but MalformedDatagram, and the vectorised check of a
-batch accepts exactly what the decoder accepts."""
+batch gives every datagram the reason the decoder gives it (and accepts what it accepts)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from testbed.transport.wire import (
+    ACCEPTED,
     FRAME_SIZE,
     HEADER,
     HEADER_SIZE,
@@ -23,8 +24,8 @@ from testbed.transport.wire import (
     Kind,
     MalformedDatagram,
     Reason,
-    accepted,
     chunk_numel,
+    code_of,
     decode,
     decode_frame,
     encode,
@@ -32,6 +33,7 @@ from testbed.transport.wire import (
     encode_headers,
     headers_of,
     payload_capacity,
+    rejections,
 )
 
 RUN = 0xC0FFEE
@@ -84,6 +86,8 @@ def test_capacity_leaves_room_for_ip_udp_and_header():
     assert payload_capacity(65536) == 65535 - 20 - 8 - 44  # loopback: IP length is 16-bit
     assert chunk_numel(1500, Codec.FLOAT32) == (1500 - 72) // 4
     assert chunk_numel(1500, Codec.FLOAT16) == (1500 - 72) // 2
+    assert payload_capacity(1500, trailer=16) == 1500 - 72 - 16  # a MAC after the payload
+    assert chunk_numel(1500, Codec.FLOAT32, trailer=16) == (1500 - 88) // 4
     with pytest.raises(ValueError, match="mtu: 60"):
         payload_capacity(60)
 
@@ -144,17 +148,18 @@ def rows_of(datagrams: list[bytes], size: int) -> tuple[np.ndarray, np.ndarray]:
     return rows, np.array([min(len(raw), size) for raw in datagrams])
 
 
-def _batch_agrees_with_decode(datagrams: list[bytes], capacity: int | None) -> None:
-    size = HEADER_SIZE + (capacity if capacity is not None else 64) + 1
+def _batch_agrees_with_decode(datagrams: list[bytes], capacity: int | None,
+                              trailer: int = 0) -> None:
+    size = HEADER_SIZE + (capacity if capacity is not None else 64) + trailer + 1
     rows, lengths = rows_of(datagrams, size)
-    ok = accepted(headers_of(rows), lengths, RUN, capacity=capacity)
-    for verdict, row, length in zip(ok.tolist(), rows, lengths.tolist(), strict=True):
+    codes = rejections(headers_of(rows), lengths, RUN, capacity=capacity, trailer=trailer)
+    for code, row, length in zip(codes.tolist(), rows, lengths.tolist(), strict=True):
         try:
-            decode(row[:length], RUN, capacity=capacity)
-        except MalformedDatagram:
-            assert not verdict
+            decode(row[:length], RUN, capacity=capacity, trailer=trailer)
+        except MalformedDatagram as exc:
+            assert code == code_of(exc.reason)
         else:
-            assert verdict
+            assert code == ACCEPTED
 
 
 def test_a_batch_is_checked_as_each_of_its_datagrams_would_be():
@@ -162,16 +167,34 @@ def test_a_batch_is_checked_as_each_of_its_datagrams_would_be():
     datagrams += [datagram(b"\0" * 8, chunk=3, chunks=4), datagram(b"\0" * 8, chunk=1),
                   datagram(run_id=RUN + 1), b"", b"\x54\x42" * 30]
     rows, lengths = rows_of(datagrams, HEADER_SIZE + CAPACITY + 1)
-    ok = accepted(headers_of(rows), lengths, RUN, capacity=CAPACITY)
-    assert ok.tolist() == [True, True, True, True, False, False, False, False]
+    codes = rejections(headers_of(rows), lengths, RUN, capacity=CAPACITY)
+    assert codes.tolist() == [ACCEPTED] * 4 + [code_of(Reason.MTU_MISMATCH),
+                                               code_of(Reason.FOREIGN_RUN),
+                                               code_of(Reason.TRUNCATED),
+                                               code_of(Reason.BAD_VERSION)]
     _batch_agrees_with_decode(datagrams, CAPACITY)
     _batch_agrees_with_decode(datagrams, None)
+
+
+def test_a_trailer_follows_the_payload_and_is_not_part_of_it():
+    with_mac = datagram(b"\0" * 8) + bytes(16)
+    assert decode(with_mac, RUN, trailer=16).payload_len == 8
+    for raw, reason in [(datagram(b"\0" * 8), Reason.BAD_LENGTH),  # no trailer
+                        (with_mac, Reason.BAD_LENGTH)]:  # a trailer where none is expected
+        with pytest.raises(MalformedDatagram) as caught:
+            decode(raw, RUN, trailer=16 if len(raw) == HEADER_SIZE + 8 else 0)
+        assert caught.value.reason is reason
+    with pytest.raises(MalformedDatagram) as caught:  # the trailer does not eat the capacity
+        decode(datagram(b"\0" * 20, chunk=3) + bytes(16), RUN, capacity=CAPACITY, trailer=16)
+    assert caught.value.reason is Reason.OVERSIZE
+    _batch_agrees_with_decode([with_mac, datagram(b"\0" * 8)], CAPACITY, trailer=16)
 
 
 def test_reasons_fall_into_the_per_peer_categories():
     assert {r.category for r in Reason} == {"foreign", "replayed", "malformed"}
     assert Reason.FOREIGN_RUN.category == Reason.BAD_MAGIC.category == "foreign"
     assert Reason.BAD_CHUNK.category == Reason.OVERSIZE.category == "malformed"
+    assert Reason.WRONG_SOURCE.category == Reason.BAD_MAC.category == "foreign"
 
 
 def test_without_a_run_id_any_run_decodes():
@@ -258,9 +281,9 @@ _MUTATED = st.builds(
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.one_of(st.binary(max_size=3 * HEADER_SIZE), _MUTATED), min_size=1,
                 max_size=24),
-       st.sampled_from([None, 8, CAPACITY, 18]))
-def test_fuzz_batches_are_checked_as_their_datagrams(datagrams, capacity):
-    _batch_agrees_with_decode(datagrams, capacity)
+       st.sampled_from([None, 8, CAPACITY, 18]), st.sampled_from([0, 16]))
+def test_fuzz_batches_are_checked_as_their_datagrams(datagrams, capacity, trailer):
+    _batch_agrees_with_decode(datagrams, capacity, trailer)
 
 
 @settings(max_examples=200, deadline=None)
