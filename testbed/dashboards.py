@@ -191,6 +191,7 @@ def fault_annotation(name: str, color: str, actions: Sequence[str]) -> dict[str,
 
 
 def annotations() -> list[dict[str, Any]]:
+    """Every dashboard's: the faults are read against whatever panel shows their effect."""
     return [fault_annotation(*spec) for spec in FAULT_ANNOTATIONS]
 
 
