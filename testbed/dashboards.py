@@ -10,7 +10,10 @@ datasource (`DATASOURCE_UID`, grafana/provisioning/datasources/prometheus.yaml).
 `scenario` and `run` are the labels a scrape target gets from the run's
 `prometheus-targets.json` (file_sd, `testbed.cluster.relay.MetricsRelay.targets`) or from the
 Compose project's static config; `worker` selects the `rank` label every metric carries.
-docs/grafana.md describes every panel.
+Every dashboard also marks the fault timeline's events as annotations (`annotations`), from
+`testbed_fault_event_timestamp_seconds`. docs/grafana.md describes every panel and annotation;
+grafana/schema/ holds the dashboard schema of the Grafana version the dashboards are written
+for, which tests/unit/test_dashboard_schema.py checks them against.
 """
 
 from __future__ import annotations
@@ -132,14 +135,16 @@ def variable(name: str, label: str, query: str, *, sort: int,
              all_by_default: bool = True) -> dict[str, Any]:
     """A multi-value query variable with All (`.*`), refreshed when the time range changes;
     All is selected at first, or else the first value in `sort` order."""
-    current = {"selected": True, "text": ["All"], "value": ["$__all"]} if all_by_default else {}
+    # Without `current`, Grafana selects the first value once it has the options.
+    current = ({"current": {"selected": True, "text": ["All"], "value": ["$__all"]}}
+               if all_by_default else {})
     return {
         "name": name, "label": label, "type": "query", "datasource": DATASOURCE,
         "definition": query,
         "query": {"qryType": 1, "query": query,
                   "refId": "PrometheusVariableQueryEditor-VariableQuery"},
         "refresh": 2, "regex": "", "sort": sort, "multi": True, "includeAll": True,
-        "allValue": ".*", "current": current, "options": [], "hide": 0,
+        "allValue": ".*", **current, "options": [], "hide": 0,
     }
 
 
@@ -153,6 +158,41 @@ def variables() -> list[dict[str, Any]]:
         variable("worker", "Worker",
                  f'label_values({base}{{scenario=~"$scenario", run=~"$run"}}, rank)', sort=3),
     ]
+
+
+# -- annotations: the fault timeline --------------------------------------------------------
+
+FAULTS = "testbed_fault_event_timestamp_seconds"
+ANNOTATION_STEP = "2s"  # the scrape interval of the provisioned datasource (timeInterval)
+# Each annotation marks some of the timeline's actions (testbed.scenario.model.ACTIONS, and
+# ramp_step, a ramp's later updates): name, colour, actions.
+FAULT_ANNOTATIONS = (
+    ("Link changes", "orange", ("set_link", "ramp_link", "ramp_step", "partition", "heal")),
+    ("Kills and restarts", "red", ("kill", "restart")),
+    ("Straggler bursts", "purple", ("straggler_burst",)),
+)
+
+
+def fault_annotation(name: str, color: str, actions: Sequence[str]) -> dict[str, Any]:
+    """The timeline's events of `actions` as Grafana annotations: one per event, at the time
+    it took effect. The metric's value is that time (Grafana's "series value as timestamp",
+    in ms); every worker exports every event, hence the max over the selected workers;
+    `last_over_time` over the rate window so that no query step misses a value (the series
+    of a worker that stopped ends with it)."""
+    selector = f'{FAULTS}{{{FILTER}, action=~"{"|".join(actions)}"}}'
+    expr = (f"max by (scenario, run, action, target) "
+            f"(last_over_time({selector}[{RATE}])) * 1000")
+    return {
+        "name": name, "datasource": DATASOURCE, "enable": True, "hide": False,
+        "iconColor": color, "expr": expr, "step": ANNOTATION_STEP, "useValueForTime": True,
+        "titleFormat": "{{action}} {{target}}", "textFormat": "{{scenario}}, run {{run}}",
+        "tagKeys": "action",
+    }
+
+
+def annotations() -> list[dict[str, Any]]:
+    """Every dashboard's: the faults are read against whatever panel shows their effect."""
+    return [fault_annotation(*spec) for spec in FAULT_ANNOTATIONS]
 
 
 def dashboard(uid: str, title: str, description: str,
@@ -170,9 +210,10 @@ def dashboard(uid: str, title: str, description: str,
         "schemaVersion": SCHEMA_VERSION,
         "version": 1,
         "templating": {"list": variables()},
-        "annotations": {"list": []},
+        "annotations": {"list": annotations()},
         "links": [{"type": "dashboards", "tags": ["testbed"], "title": "Testbed",
-                   "asDropdown": True, "includeVars": True, "keepTime": True}],
+                   "icon": "external link", "tooltip": "", "asDropdown": True,
+                   "targetBlank": False, "includeVars": True, "keepTime": True}],
         "panels": layout(panels),
     }
 

@@ -11,7 +11,9 @@ a container has only its own network namespace, so each node does its part of bo
   and the Compose restart policy (`on-failure`, set for the workers the timeline restarts)
   brings the container back; it then waits for the `restart` event to be due and rejoins.
   `at` times count from the run's origin, posted in the run's store by the first worker to
-  start training; `step` events fire before the node's own step.
+  start training; `step` events fire before the node's own step. Every event it saw take
+  effect goes to its own control file, for its metrics (`post_fault`), as the namespace
+  runner posts them to every worker.
 - Worker 0 serves the run's store (so the generator refuses a scenario that preempts it),
   creates the run directory (`/runs/<scenario>-<UTC time>`, named in the store for the others),
   writes the timeline's records, and, once every worker ended, the summary and the report.
@@ -40,6 +42,7 @@ from testbed.cluster.worker import (
     Worker,
     WorkerSpec,
     post_burst,
+    post_fault,
     post_links,
     serve_run_store,
 )
@@ -136,6 +139,7 @@ class Node:
         self._client: Any = None
         self._writer: Any = None
         self._timeline: Timeline | None = None
+        self._rejoin = False
         self.run_dir = runs
 
     def run(self) -> int:
@@ -155,6 +159,7 @@ class Node:
                               base_dir=None if self.base_dir is None else str(self.base_dir),
                               rejoin=rejoin,
                               key_file=None if self.key_file is None else str(self.key_file))
+            self._rejoin = rejoin
             if rejoin:
                 self._wait_for_restart()
             code = Worker(spec, on_start=self._start_timeline,
@@ -234,13 +239,21 @@ class Node:
         events = [event for event in self.scenario.timeline
                   if not (event.action in ("kill", "restart") and event in own
                           and self._is_past(event, passed))]
+        # Rejoining, the timeline runs at once what was due while this node was away: its
+        # links must catch up, but those faults happened before, not now.
+        replayed = {index for index, event in enumerate(events)
+                    if self._rejoin and self._is_past(event, passed)}
+
         def on_event(record: dict[str, Any]) -> None:
             if self._writer is not None:
                 self._writer.fault(**record)
             post_links(self.run_dir, record, self.network.links.effective, only=self.rank)
+            if record["index"] not in replayed:
+                post_fault(self.run_dir, record, origin + record["t"], [self.rank])
 
         self._timeline = Timeline(events, self.network, on_event, clock=time.time,
-                                  on_kill=self._kill, on_straggler_burst=self._burst)
+                                  on_kill=self._kill, on_restart=self._restart,
+                                  on_straggler_burst=self._burst)
         self._timeline.start(origin=origin)
 
     def _is_past(self, event: Event, passed: float) -> bool:
@@ -260,6 +273,10 @@ class Node:
     def _kill(self, ranks: list[int]) -> None:
         if self.rank in ranks:  # a preempted machine: gone at once, no clean-up
             os.kill(os.getpid(), signal.SIGKILL)
+
+    def _restart(self, ranks: list[int]) -> None:
+        """Nothing to do: the Compose restart policy brings the worker back, and it rejoins by
+        itself once its restart is due (`_wait_for_restart`)."""
 
     def _burst(self, event: Event) -> None:
         post_burst(self.run_dir, event, only=self.rank)

@@ -39,6 +39,7 @@ from testbed.cluster.worker import (
     PORTS,
     WorkerSpec,
     post_burst,
+    post_fault,
     post_links,
     serve_run_store,
 )
@@ -171,7 +172,10 @@ class ClusterRun:
                     self.capture.start(network)
                 def on_event(record: dict[str, Any]) -> None:
                     writer.fault(**record)
-                    post_links(self.run_dir, record, network.links.effective)  # workers' metrics
+                    # The workers' metrics: the links' profiles, and the fault for every worker.
+                    post_links(self.run_dir, record, network.links.effective)
+                    post_fault(self.run_dir, record, writer.started + record["t"],
+                               range(self.scenario.count))
 
                 timeline = Timeline(
                     self.scenario.timeline, network, on_event,

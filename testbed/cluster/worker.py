@@ -28,7 +28,7 @@ import signal
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -237,15 +237,21 @@ class WorkerControl:
       seconds>}`, which add to the compute of the steps they last (`delay`);
     - link changes, `{"link": {"peer": p, "profile": {...} | null}}`: the profile now on the
       link from peer p into this worker, handed to `on_link(peer, profile)` (the worker's
-      metrics), so the configured link follows the fault timeline.
+      metrics), so the configured link follows the fault timeline;
+    - faults, `{"fault": {"action": a, "target": t, "time": <epoch seconds>}}`: an event of the
+      timeline that took effect, handed to `on_fault(action, target, time)` (the worker's
+      metrics), so the dashboards can mark it.
 
-    A restarted worker takes the latest profile of each link from what the file holds, but no
-    burst: bursts are not replayed."""
+    A restarted worker takes the latest profile of each link and every fault from what the file
+    holds (a fault keeps its own time, so one read twice is the same fact), but no burst: bursts
+    are not replayed."""
 
     def __init__(self, path: Path, seed: int, rank: int,
-                 on_link: Callable[[int, Any], None] | None = None) -> None:
+                 on_link: Callable[[int, Any], None] | None = None,
+                 on_fault: Callable[[str, str, float], None] | None = None) -> None:
         self.path, self.seed, self.rank = path, seed, rank
         self.on_link = on_link or (lambda peer, profile: None)
+        self.on_fault = on_fault or (lambda action, target, when: None)
         self._offset = 0
         self._received = 0
         self._active: list[tuple[Any, int | None, float | None]] = []
@@ -285,6 +291,9 @@ class WorkerControl:
                 profile = link["profile"]
                 self.on_link(int(link["peer"]),
                              None if profile is None else LinkProfile.model_validate(profile))
+            elif "fault" in message:
+                fault = message["fault"]
+                self.on_fault(fault["action"], fault["target"], float(fault["time"]))
             elif bursts:
                 self._received += 1
                 draws = StragglerDelay(StragglerSpec.parse(message["delay"]),
@@ -393,7 +402,8 @@ class Worker:
 
         spec = self.spec
         control = WorkerControl(control_path(spec.run_dir, spec.rank), scenario.seed, spec.rank,
-                                on_link=metrics.set_link_profile)
+                                on_link=metrics.set_link_profile,
+                                on_fault=metrics.record_fault)
         code = run_command(spec, scenario, say=say, writer=writer, control=control,
                            on_start=self.on_start)
         if code == 0 and scenario.metrics.linger:  # the runner's SIGTERM ends it sooner
@@ -432,7 +442,8 @@ class Worker:
         # trip per step otherwise spent for nothing).
         rejoinable = any(event.action == "restart" for event in scenario.timeline)
         control = WorkerControl(control_path(spec.run_dir, spec.rank), config.seed, spec.rank,
-                                on_link=metrics.set_link_profile)
+                                on_link=metrics.set_link_profile,
+                                on_fault=metrics.record_fault)
         every = scenario.metrics.drift_every
         computes: dict[int, float] = {}
         for step in range(start, config.steps):
@@ -487,7 +498,8 @@ class Worker:
 
 
 def control_path(run_dir: str | Path, rank: int) -> Path:
-    """Where the runner appends worker `rank`'s straggler bursts."""
+    """Where the runner (or a Compose node, for itself) appends what worker `rank` is told:
+    straggler bursts, link changes, faults (`WorkerControl`)."""
     return Path(run_dir) / "logs" / f"control-{rank}.jsonl"
 
 
@@ -513,6 +525,27 @@ def post_links(run_dir: str | Path, record: dict[str, Any], profile_of: Callable
         if only is None or dst == only:
             profile = profile_of(src, dst)
             _post(run_dir, dst, {"link": {"peer": src, "profile": profile.model_dump()}})
+
+
+def post_fault(run_dir: str | Path, record: dict[str, Any], when: float,
+               ranks: Iterable[int]) -> None:
+    """A timeline record that took effect at `when` (Unix seconds), to the control files of
+    `ranks` (their metrics export it for Grafana's annotations). A record with an `error` is
+    a fault that did not happen: not posted."""
+    if "error" in record:
+        return
+    message = {"fault": {"action": record["action"], "target": fault_target(record),
+                         "time": when}}
+    for rank in ranks:
+        _post(run_dir, rank, message)
+
+
+def fault_target(record: dict[str, Any]) -> str:
+    """What a timeline record acted on, in the timeline's words: its link (`0<->1`,
+    `east->west`, `all links`), its groups (`east|west`) or its workers (`3`, `1,2`)."""
+    if "link" in record:
+        return str(record["link"])
+    return ",".join(str(worker) for worker in record.get("workers", ()))
 
 
 def _post(run_dir: str | Path, rank: int, message: dict[str, Any]) -> None:

@@ -3,7 +3,8 @@
 Every metric is named `testbed_...`, in base units (seconds, bytes), counters end in `_total`,
 durations are histograms, fractions are ratios 0..1, and every metric carries the worker's
 `rank` beside labels of low cardinality only (`peer`, `collective`, `protocol`, `phase`,
-`reason`, `split`, `direction`, `reference`, `figure`). docs/metrics.md lists them all.
+`reason`, `split`, `direction`, `reference`, `figure`, `action`, `target`). docs/metrics.md
+lists them all.
 
 The metrics are fed from what the testbed already has:
 
@@ -14,6 +15,8 @@ The metrics are fed from what the testbed already has:
   and a counter that went down (a new endpoint) counts again from its new value;
 - `record_drift(drift)` with a `Drift` from `testbed.metrics.drift`;
 - `set_link_profile(peer, profile)` whenever a link's netem profile is applied;
+- `record_fault(action, target, when)` for each event of the fault timeline the worker learns
+  of (Grafana's fault annotations read it);
 - the namespace's kernel counters (TCP retransmitted segments, UDP buffer errors) are read at
   scrape time (`NamespaceCollector`).
 
@@ -252,6 +255,10 @@ class WorkerMetrics:
                 ("rate", "link_rate_bytes_per_second", "Configured rate (+Inf: unlimited)"),
             )
         }
+        # The fault timeline.
+        self.fault_time = g("fault_event_timestamp_seconds", "Unix time at which the last "
+                            "timeline event of this action on this target took effect",
+                            "action", "target")
 
     # Building metrics: every one carries the rank first.
     def _counter(self, name: str, documentation: str, *labels: str) -> Counter:
@@ -443,6 +450,14 @@ class WorkerMetrics:
         }
         for name, value in values.items():
             self.link[name].labels(*labels).set(value)
+
+    def record_fault(self, action: str, target: str, when: float) -> None:
+        """An event of the fault timeline took effect at `when` (Unix seconds): `action` as the
+        timeline names it (`set_link`, `kill`, ...), `target` what it acted on (a link, groups,
+        workers). A gauge of the time, not a counter: a worker learns of some events only when
+        it (re)starts, and the time stays the event's, so Grafana can place the event exactly
+        (its annotations take the value as the time)."""
+        self.fault_time.labels(self.rank, action, target).set(when)
 
     # Serving.
     def serve(self, port: int = 0, addr: str = "0.0.0.0") -> int:

@@ -5,10 +5,12 @@ A Prometheus server (Debian's /usr/bin/prometheus) scrapes every 1 s the workers
 `prometheus-targets.json`, as docs/grafana.md tells a user to. Between them the runs feed every
 metric a panel shows:
 
-- lossy: the lossy all-reduce with 20% loss between workers 0 and 1 (lost datagrams, chunks
-  missing, drift), a TCP resync every 3 steps, worker 3 a 300 ms straggler whom the others
-  wait for only 100 ms (`straggler_timeout`: late datagrams, straggler wait) with DropCompute
-  at 50 ms (drops), evaluations every 10 steps (eval loss, accuracy);
+- lossy: the lossy all-reduce with 20% loss between workers 0 and 1, 10% from step 10 on
+  (lost datagrams, chunks missing, drift, a link change; more loss would now and then stall
+  the resync's TCP beyond its time limit), a TCP resync every 3 steps, worker 3 a 300 ms
+  straggler whom the others wait for only 100 ms (`straggler_timeout`: late datagrams,
+  straggler wait) with DropCompute at 50 ms (drops), a straggler burst on worker 1 at step 15,
+  evaluations every 10 steps (eval loss, accuracy);
 - moshpit: Moshpit averaging with worker 3 killed at step 25 and restarted at step 30 (rounds,
   incomplete rounds, calls without a peer, a rejoin);
 - ring: the ring all-reduce over links with 10% loss (its own sockets' retransmits).
@@ -18,8 +20,10 @@ every worker after all were done (polling its HTTP API, bounded). Then each pane
 expression, with Grafana's variables substituted (`testbed.dashboards.substitute`: all three
 scenarios and runs, every worker the `worker` variable's own query returns), goes through
 `/api/v1/query_range` over the three runs and must return data; the panels that show a fault
-must also show a positive value somewhere. Loss comes from the fallback (nftables), so this
-runs on the host kernel."""
+must also show a positive value somewhere. Every annotation's expression, substituted the same
+way at the annotation's own step, is turned into events as Grafana's Prometheus datasource
+does, and must give exactly the runs' faults (their `events.jsonl`), each at the time the run
+recorded for it. Loss comes from the fallback (nftables), so this runs on the host kernel."""
 
 from __future__ import annotations
 
@@ -43,6 +47,8 @@ import yaml
 
 from testbed import dashboards
 from testbed.cluster.runner import PROMETHEUS_TARGETS, ClusterRun, WorkerState
+from testbed.cluster.worker import fault_target
+from testbed.report import load_run
 
 pytestmark = pytest.mark.netns
 WORLD = 4
@@ -70,6 +76,9 @@ job: {model: mlp, steps: 30, batch: 32, micro_batches: 2, strategy: sharded, eva
 collective: {kind: lossy, deadline_initial: 0.05, deadline_floor: 0.05, deadline_ceiling: 0.05,
              straggler_timeout: 0.1, resync_every: 3}
 metrics: {drift_every: 2, linger: 60s}  # not 3: a resync (every 3rd step) evens the copies
+timeline:
+  - {step: 10, set_link: {link: {between: [0, 1]}, profile: {loss: 10%}}}
+  - {step: 15, straggler_burst: {workers: [1], delay: {fixed: 100ms}, steps: 3}}
 """
 MOSHPIT = """
 name: dash-moshpit
@@ -93,6 +102,9 @@ collective: {kind: ring}
 metrics: {drift_every: 0, linger: 60s}
 """
 SCENARIOS = {"lossy": (LOSSY, 30), "moshpit": (MOSHPIT, 80), "ring": (RING, 30)}
+# The faults of those runs, as the annotations title them: run -> action and target.
+FAULTS = {"lossy": {"set_link 0<->1", "straggler_burst 1"},
+          "moshpit": {"kill 3", "restart 3"}, "ring": set()}
 
 # Panels that show a fault of these runs: somewhere in the runs their query is above 0.
 POSITIVE = {
@@ -252,6 +264,69 @@ def label_values(prometheus: Prometheus, definition: str, values: dict[str, Any]
         "match[]": selector, "start": f"{start:.3f}", "end": f"{end:.3f}"})
 
 
+@dataclass(frozen=True, order=True)
+class Annotation:
+    """One event an annotation query gives: title and text as Grafana renders them, and when
+    (ms since the epoch; `end` > `time` for points merged into a region)."""
+
+    title: str
+    text: str
+    time: int
+    end: int
+
+
+def render_format(template: str, labels: dict[str, str]) -> str:
+    """Grafana's renderLegendFormat: `{{label}}` becomes the label's value (its name if none)."""
+    return re.sub(r"\{\{\s*(.+?)\s*\}\}", lambda m: labels.get(m.group(1)) or m.group(1),
+                  template)
+
+
+def annotation_events(prometheus: Prometheus, annotation: dict[str, Any],
+                      values: dict[str, Any], start: float, end: float) -> list[Annotation]:
+    """Run an annotation query as Grafana 11's Prometheus datasource does (a range query at
+    the annotation's `step`, its variables substituted), and make its events as the
+    datasource's processAnnotationResponse does: with `useValueForTime` every point of a series
+    is active at the time its value says (ms), and points of one series no further apart than
+    the step make one event (a region from the first to the last)."""
+    assert annotation["useValueForTime"] is True
+    step = float(annotation["step"].removesuffix("s"))
+    expr = dashboards.substitute(annotation["expr"], values, interval=step,
+                                 scrape_interval=SCRAPE, range_seconds=end - start)
+    assert "$" not in expr, expr
+    result = prometheus.get("/api/v1/query_range", query=expr, start=f"{start:.3f}",
+                            end=f"{end:.3f}", step=f"{step:g}")["result"]
+    events: list[Annotation] = []
+    for series in result:
+        labels = series["metric"]
+        title = render_format(annotation["titleFormat"], labels)
+        text = render_format(annotation["textFormat"], labels)
+        stamps = [math.floor(float(value)) for _, value in series["values"]]
+        first = last = stamps[0]
+        for stamp in stamps[1:]:
+            if last + step * 1000 >= stamp:
+                last = stamp
+                continue
+            events.append(Annotation(title, text, first, last))
+            first = last = stamp
+        events.append(Annotation(title, text, first, last))
+    return events
+
+
+def recorded_faults(tmp_path: Path) -> list[Annotation]:
+    """The faults the runs recorded in events.jsonl, as the annotations should show them: at
+    the run's start plus the fault's `t` (what the workers were told)."""
+    faults = []
+    for name in SCENARIOS:
+        run = load_run(tmp_path / "runs" / name)
+        assert run.started is not None
+        for fault in run.faults:
+            assert "error" not in fault.fields, f"{name}: {fault}"
+            when = math.floor((run.started + fault.t) * 1000)
+            faults.append(Annotation(f"{fault.action} {fault_target(fault.fields)}",
+                                     f"dash-{name}, run {name}", when, when))
+    return faults
+
+
 def maximum(result: list[dict[str, Any]]) -> float:
     finite = [float(v) for series in result for _, v in series["values"]
               if math.isfinite(float(v))]
@@ -310,3 +385,27 @@ def test_every_dashboard_query_returns_data_from_real_runs(tmp_path: Path,
     assert [(s["metric"]["run"], s["metric"]["rank"], s["metric"]["worker"])
             for s in result] == [("moshpit", "2", "2")]
     assert max(float(v) for _, v in result[0]["values"]) == SCENARIOS["moshpit"][1] - 1
+
+    # Every annotation marks exactly the runs' faults of its actions, where they happened.
+    faults = recorded_faults(tmp_path)
+    assert {(f.text, f.title) for f in faults} == {
+        (f"dash-{run}, run {run}", title) for run, titles in FAULTS.items() for title in titles}
+    for file, board in boards.items():
+        for annotation in board["annotations"]["list"]:
+            where = f"{file}: annotation {annotation['name']}"
+            actions = re.search(r'action=~"([^"]*)"', annotation["expr"]).group(1).split("|")
+            wanted = sorted(f for f in faults if f.title.split()[0] in actions)
+            assert wanted, f"{where}: no run has such a fault"
+            events = sorted(annotation_events(prometheus, annotation, values, start, end))
+            assert [(e.title, e.text) for e in events] == [(f.title, f.text) for f in wanted], (
+                where, events, wanted)
+            for event, fault in zip(events, wanted, strict=True):
+                assert abs(event.time - fault.time) <= 1 and event.end == event.time, (
+                    where, event, fault)
+    # Filtered like the panels: the moshpit run's worker 3, who exports its own kill once it
+    # is back (the runner told every worker, and a restarted one reads what it missed).
+    (kills,) = [a for a in boards["moshpit.json"]["annotations"]["list"]
+                if a["name"] == "Kills and restarts"]
+    alone = annotation_events(prometheus, kills, {**values, "run": ["moshpit"], "worker": ["3"]},
+                              start, end)
+    assert sorted(e.title for e in alone) == ["kill 3", "restart 3"]

@@ -1,6 +1,7 @@
 """A worker's spec: it round-trips through JSON, bad fields are named, and every collective gets
 the placement options its constructor takes. The straggler bursts a worker reads from its
-control file: each lasts its steps or its time, and a restarted worker does not replay them."""
+control file: each lasts its steps or its time, and a restarted worker does not replay them;
+the faults it reads keep their own times, replayed or not."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from testbed.cluster.worker import (
     WorkerControl,
     WorkerSpec,
     placement,
+    post_fault,
     post_links,
 )
 from testbed.collectives import registry
@@ -160,3 +162,30 @@ def test_a_run_that_authenticates_hands_workers_its_key_in_a_file_only_they_read
         assert key not in text and key.hex().encode() not in text
         assert each.key_file == str(key_path.resolve())
         assert placement(each, run.scenario).key == key
+
+
+def test_faults_reach_every_worker_named_with_their_own_time(tmp_path: Path):
+    seen: dict[int, list[tuple[str, str, float]]] = {0: [], 1: []}
+    controls = [WorkerControl(tmp_path / "logs" / f"control-{rank}.jsonl", seed=1, rank=rank,
+                              on_fault=lambda *fault, r=rank: seen[r].append(fault))
+                for rank in seen]
+    records = [
+        {"action": "set_link", "link": "0<->1", "pairs": [[0, 1], [1, 0]]},
+        {"action": "partition", "link": "east|west", "pairs": []},
+        {"action": "kill", "workers": [2, 3], "rank": [2, 3]},
+        {"action": "straggler_burst", "workers": [1], "rank": [1]},
+        {"action": "restart", "workers": [2], "error": "RuntimeError: no handler"},  # not one
+    ]
+    for when, record in enumerate(records, start=100):
+        post_fault(tmp_path, record, float(when), [0, 1])
+    post_fault(tmp_path, {"action": "heal", "link": "all links"}, 200.0, [1])
+    expected = [("set_link", "0<->1", 100.0), ("partition", "east|west", 101.0),
+                ("kill", "2,3", 102.0), ("straggler_burst", "1", 103.0)]
+    for control in controls:
+        control.poll()
+    assert seen[0] == expected
+    assert seen[1] == [*expected, ("heal", "all links", 200.0)]
+    replayed: list[tuple[str, str, float]] = []
+    WorkerControl(tmp_path / "logs" / "control-0.jsonl", seed=1, rank=0,
+                  on_fault=lambda *fault: replayed.append(fault))
+    assert replayed == expected  # a restarted worker: the same facts, at their own times

@@ -1,8 +1,9 @@
 """The Grafana dashboards (testbed/dashboards.py, grafana/): the committed JSON is what the code
-generates, every panel is wired to the provisioned datasource and filtered by the dashboard's
-variables, and every metric a query names is one a real `WorkerMetrics` exports, with the
-labels the query matches on. tests/netns/test_dashboards_prometheus.py runs every query against
-a real Prometheus scraping a real run."""
+generates, every panel and annotation is wired to the provisioned datasource and filtered by the
+dashboard's variables, every action of the fault timeline has its annotation, and every metric a
+query names is one a real `WorkerMetrics` exports, with the labels the query matches on.
+tests/netns/test_dashboards_prometheus.py runs every query against a real Prometheus scraping a
+real run; tests/unit/test_dashboard_schema.py checks the JSON against Grafana's schema."""
 
 from __future__ import annotations
 
@@ -51,9 +52,14 @@ def load(name: str) -> dict[str, Any]:
     return json.loads(COMMITTED[name].read_text())
 
 
-def all_targets() -> list[tuple[str, str, dict[str, Any]]]:
-    return [(name, panel["title"], t) for name in sorted(COMMITTED)
-            for panel in load(name)["panels"] for t in panel["targets"]]
+def all_queries() -> list[tuple[str, str, str, list[str]]]:
+    """(file, where, PromQL, its label templates) of every panel target and annotation."""
+    queries = [(name, panel["title"], t["expr"], [t.get("legendFormat", "")])
+               for name in sorted(COMMITTED)
+               for panel in load(name)["panels"] for t in panel["targets"]]
+    queries += [(name, f"annotation {a['name']}", a["expr"], [a["titleFormat"], a["textFormat"]])
+                for name in sorted(COMMITTED) for a in load(name)["annotations"]["list"]]
+    return queries
 
 
 def test_exported_names_come_from_the_registry():
@@ -66,6 +72,7 @@ def test_exported_names_come_from_the_registry():
     assert EXPORTED["testbed_datagrams_lost_total"] == {"rank", "peer"}
     assert EXPORTED["testbed_link_profile_info"] == {"rank", "peer", "direction"}
     assert EXPORTED["testbed_netns_tcp_retransmitted_segments_total"] == {"rank"}
+    assert EXPORTED["testbed_fault_event_timestamp_seconds"] == {"rank", "action", "target"}
 
 
 def test_the_committed_json_is_what_the_code_generates(tmp_path: Path):
@@ -132,22 +139,45 @@ def test_every_dashboard_has_the_variables_and_every_query_uses_them(name: str):
     worker = variables["worker"]["definition"]
     assert worker.endswith(", rank)") and '$scenario' in worker and '$run' in worker
     assert '$scenario' in variables["run"]["definition"]
-    for panel in board["panels"]:
-        for t in panel["targets"]:
-            selectors = SELECTOR.findall(t["expr"])
-            assert selectors, f"{name}: {panel['title']}: no testbed metric in {t['expr']!r}"
-            for metric, braces in selectors:
-                matchers = {label: (op, value) for label, op, value in MATCHER.findall(braces)}
-                for label, variable in (("scenario", "scenario"), ("run", "run"),
-                                        ("rank", "worker")):
-                    assert matchers.get(label) == ("=~", f"${variable}"), (
-                        f"{name}: {panel['title']}: {metric} is not filtered by ${variable}")
+    for file, where, expr, _ in all_queries():
+        if file != name:
+            continue
+        selectors = SELECTOR.findall(expr)
+        assert selectors, f"{name}: {where}: no testbed metric in {expr!r}"
+        for metric, braces in selectors:
+            matchers = {label: (op, value) for label, op, value in MATCHER.findall(braces)}
+            for label, variable in (("scenario", "scenario"), ("run", "run"),
+                                    ("rank", "worker")):
+                assert matchers.get(label) == ("=~", f"${variable}"), (
+                    f"{name}: {where}: {metric} is not filtered by ${variable}")
+
+
+@pytest.mark.parametrize("name", sorted(COMMITTED))
+def test_every_dashboard_marks_every_action_of_the_fault_timeline(name: str):
+    from testbed.scenario.model import ACTIONS
+
+    listed = load(name)["annotations"]["list"]
+    assert [a["name"] for a in listed] == [spec[0] for spec in dashboards.FAULT_ANNOTATIONS]
+    marked: list[str] = []
+    for annotation in listed:
+        where = f"{name}: annotation {annotation['name']}"
+        assert annotation["datasource"]["uid"] == dashboards.DATASOURCE_UID, where
+        assert annotation["enable"] and not annotation["hide"], where
+        # The value is the event's time in seconds: Grafana takes it, in ms, as the time.
+        assert annotation["useValueForTime"] is True, where
+        assert annotation["expr"].endswith(" * 1000"), where
+        assert f"{dashboards.FAULTS}{{" in annotation["expr"], where
+        (actions,) = re.findall(r'action=~"([^"]*)"', annotation["expr"])
+        marked += actions.split("|")
+        assert "{{action}}" in annotation["titleFormat"], where
+        assert "{{target}}" in annotation["titleFormat"], where
+    # Each action once: the timeline's own, and a ramp's later updates.
+    assert sorted(marked) == sorted([*ACTIONS, "ramp_step"])
 
 
 def test_every_metric_a_query_names_is_exported_with_the_labels_it_uses():
     queried: set[str] = set()
-    for name, title, t in all_targets():
-        expr = t["expr"]
+    for name, title, expr, formats in all_queries():
         names = set()
         for metric, braces in SELECTOR.findall(expr):
             assert metric in EXPORTED, f"{name}: {title}: no worker exports {metric}"
@@ -159,7 +189,7 @@ def test_every_metric_a_query_names_is_exported_with_the_labels_it_uses():
         for group in BY.findall(expr):
             for label in filter(None, (part.strip() for part in group.split(","))):
                 assert label in available, f"{name}: {title}: by ({label}) is no label"
-        for legend_label in re.findall(r"\{\{(\w+)\}\}", t.get("legendFormat", "")):
+        for legend_label in re.findall(r"\{\{(\w+)\}\}", " ".join(formats)):
             assert legend_label in available, f"{name}: {title}: legend {{{{{legend_label}}}}}"
         queried |= names
     # The dashboards cover the families that matter (a sample, not all of them).
@@ -167,7 +197,8 @@ def test_every_metric_a_query_names_is_exported_with_the_labels_it_uses():
                    "testbed_straggler_wait_seconds_bucket", "testbed_parameter_drift_ratio",
                    "testbed_collective_rounds_total", "testbed_link_loss_ratio",
                    "testbed_micro_batches_dropped_total",
-                   "testbed_collective_tcp_retransmitted_segments_total"):
+                   "testbed_collective_tcp_retransmitted_segments_total",
+                   "testbed_fault_event_timestamp_seconds"):
         assert metric in queried, f"no panel shows {metric}"
 
 

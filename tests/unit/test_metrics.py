@@ -41,7 +41,7 @@ from testbed.transport.counters import (
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
 LOW_CARDINALITY = {"rank", "peer", "collective", "protocol", "phase", "reason", "split",
-                   "direction", "reference", "figure", "le", "profile"}
+                   "direction", "reference", "figure", "le", "profile", "action", "target"}
 # Units that are not Prometheus' base units, as a part of a name between underscores.
 NOT_BASE_UNITS = re.compile(r"_(milliseconds|microseconds|nanoseconds|ms|us|ns|minutes|hours|"
                             r"kilobytes|megabytes|kb|mb|bits|percent)(_|$)")
@@ -81,7 +81,7 @@ def datagrams(scale: int) -> dict[int, DatagramCounters]:
 
 def fed(rank: int = 1) -> WorkerMetrics:
     """A worker's metrics after two lossy steps, a ring call, a moshpit call, transport
-    counters, two link profiles and a drift measurement."""
+    counters, two link profiles, a drift measurement and three faults."""
     metrics = WorkerMetrics(rank)
     metrics.record_step(step_record(0, lossy_stats(0)), peer_compute_seconds={0: 0.07, 2: 0.04})
     metrics.record_step(step_record(1, lossy_stats(1), loss=2.1,
@@ -110,6 +110,9 @@ def fed(rank: int = 1) -> WorkerMetrics:
     x = torch.randn(10_000, generator=torch.Generator().manual_seed(1))
     sketches = {r: projection(x + 0.01 * r, step=2) for r in range(3)}
     metrics.record_drift(drift_from(sketches, sketches[rank]))
+    metrics.record_fault("set_link", "0<->1", 1_700_000_000.5)
+    metrics.record_fault("kill", "2", 1_700_000_010.25)
+    metrics.record_fault("set_link", "0<->1", 1_700_000_020.0)  # the same link again: later
     return metrics
 
 
@@ -208,6 +211,11 @@ def test_scraped_over_http_with_the_values_fed() -> None:
     assert value(families, "testbed_parameter_drift", reference="mean", **rank) < 0.01
     assert value(families, "testbed_parameter_drift_ratio", reference="mean", **rank) < 1e-4
     assert value(families, "testbed_parameter_drift_measurements_total", reference="mean") == 1
+    # Faults: the time of the last event per action and target.
+    assert value(families, "testbed_fault_event_timestamp_seconds", action="set_link",
+                 target="0<->1", **rank) == 1_700_000_020.0
+    assert value(families, "testbed_fault_event_timestamp_seconds", action="kill",
+                 target="2", **rank) == 1_700_000_010.25
     # The namespace's kernel counters, read at scrape time in this namespace.
     retransmits = value(families, "testbed_netns_tcp_retransmitted_segments_total", **rank)
     assert retransmits == int(retransmits) and retransmits <= read_retransmits()
