@@ -192,6 +192,20 @@ def _scraped(workers: int, deadline: float) -> dict[str, Any]:
     return {"workers": sorted(seen, key=int), "runs": sorted(set(seen.values()))}
 
 
+class _MemoryPeak:
+    """The most memory in use (MemTotal - MemAvailable) seen on the kernel the engine runs on,
+    sampled while the project runs."""
+
+    def __init__(self) -> None:
+        self.peak = 0
+        self.sample()
+
+    def sample(self) -> None:
+        fields = {line.split(":")[0]: int(line.split()[1]) * 1024
+                  for line in Path("/proc/meminfo").read_text().splitlines()}
+        self.peak = max(self.peak, fields["MemTotal"] - fields["MemAvailable"])
+
+
 def run_project(project: Path, env: Mapping[str, str], *, say: Say = print,
                 build: bool = True, monitoring: bool = True, keep: bool = False,
                 measure: tuple[int, int] | None = (0, 1), timeout: float = 3600.0,
@@ -208,6 +222,8 @@ def run_project(project: Path, env: Mapping[str, str], *, say: Say = print,
     chosen, monitors = _image_env(env, say) if monitoring else ({}, [])
     env = {**env, **chosen}
     started = time.monotonic()
+    memory = _MemoryPeak()
+    report["costs"] = {}
     say(f"compose: up {' '.join(workers + monitors)}")
     compose(project, env, "up", "-d", *(["--build"] if build else []), *workers, *monitors,
             timeout=1800)
@@ -240,10 +256,14 @@ def run_project(project: Path, env: Mapping[str, str], *, say: Say = print,
                       for w in workers):
             if time.monotonic() > deadline:
                 raise UpError(f"the workers did not end within {timeout:g} s")
+            memory.sample()
             time.sleep(POLL)
         states = _states(project, env)
         report["workers"] = {w: states[w] for w in workers}
         report["seconds"] = round(time.monotonic() - started, 1)
+        report["costs"] |= {"up_to_shaped_seconds": report["shaped_seconds"],
+                            "run_seconds": report["seconds"],
+                            "memory_used_peak_bytes": memory.peak}
         runs = sorted((project.parent / "runs").glob("*/summary.json"),
                       key=lambda path: path.stat().st_mtime)
         if runs:
@@ -288,11 +308,14 @@ def run_in_guest(project: Path, *, say: Say = print, monitoring: bool = True,
     options = {"monitoring": monitoring, "measure": measure, "timeout": timeout}
     argv = [sys.executable, "-m", "testbed.compose.up", str(project.resolve()),
             str(result.resolve()), json.dumps(options)]
+    begun = time.monotonic()
     with image_disk(root, say=say) as disk:
+        disk_ready = time.monotonic()
         say(f"guest: Docker Engine in a User-Mode Linux guest ({sandbox.describe(kernel)}), "
             f"the images on {disk}")
         guest = sandbox.run(argv, kernel=kernel, mem=GUEST_MEM, disks=[disk],
                             timeout=timeout + 600)
+    ended = time.monotonic()
     if not result.exists():
         raise UpError(f"the guest ended (exit {guest.returncode}) without a report:\n"
                       f"{guest.output[-3000:]}")
@@ -300,7 +323,15 @@ def run_in_guest(project: Path, *, say: Say = print, monitoring: bool = True,
     result.unlink()
     if "error" in report:
         raise UpError(f"in the guest: {report['error']}")
+    report["costs"] |= {"disk_seconds": round(disk_ready - begun, 1),
+                        "guest_seconds": round(ended - disk_ready, 1),
+                        "guest_memory_bytes": _bytes(GUEST_MEM),
+                        "disk_used_bytes": disk.stat().st_blocks * 512}
     return report
+
+
+def _bytes(size: str) -> int:
+    return int(size[:-1]) << {"K": 10, "M": 20, "G": 30}[size[-1]]
 
 
 def _in_guest(project: Path, result: Path, options: dict[str, Any]) -> int:
@@ -311,14 +342,17 @@ def _in_guest(project: Path, result: Path, options: dict[str, Any]) -> int:
         subprocess.run(["mount", "-t", "cgroup2", "none", "/sys/fs/cgroup"], check=True)
     report: dict[str, Any]
     try:
-        with mounted(Path(disk_device(0))) as point, Engine(point / "docker",
-                                                             iptables=False) as engine:
-            measure = options["measure"]
-            report = run_project(project, engine.env, build=False, where="guest",
-                                 monitoring=options["monitoring"],
-                                 measure=None if measure is None else tuple(measure),
-                                 timeout=options["timeout"],
-                                 say=lambda line: print(line, flush=True))
+        with mounted(Path(disk_device(0))) as point:
+            begun = time.monotonic()
+            with Engine(point / "docker", iptables=False) as engine:
+                engine_seconds = time.monotonic() - begun
+                measure = options["measure"]
+                report = run_project(project, engine.env, build=False, where="guest",
+                                     monitoring=options["monitoring"],
+                                     measure=None if measure is None else tuple(measure),
+                                     timeout=options["timeout"],
+                                     say=lambda line: print(line, flush=True))
+                report["costs"]["engine_seconds"] = round(engine_seconds, 1)
     except (UpError, EngineError, subprocess.SubprocessError, OSError) as error:
         report = {"error": str(error)}
     result.write_text(json.dumps(report, indent=2) + "\n")
