@@ -86,7 +86,7 @@ class Lab:
         if self.size < 1 or self.size > most:
             raise ValueError(f"size: a lab on {self.subnet} holds 1..{most} hosts")
         OWNERS.mkdir(parents=True, exist_ok=True)
-        (OWNERS / self.prefix).write_text(_process_identity(os.getpid()))
+        (OWNERS / self.prefix).write_text(process_identity(os.getpid()))
         _create_namespace(self.switch)
         with netlink_in(self.switch) as switch:
             switch.link("add", ifname="br0", kind="bridge")
@@ -189,11 +189,12 @@ def _owner_alive(lab: str) -> bool:
         pid, _ = (OWNERS / lab).read_text().split()
     except (OSError, ValueError):
         return False
-    return _process_identity(int(pid)) == (OWNERS / lab).read_text()
+    return process_identity(int(pid)) == (OWNERS / lab).read_text()
 
 
-def _process_identity(pid: int) -> str:
-    """pid plus its start time, so a recycled pid is not mistaken for the owner."""
+def process_identity(pid: int) -> str:
+    """pid plus its start time, so a recycled pid is not mistaken for the owner ("" when no
+    such process runs)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:

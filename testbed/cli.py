@@ -47,9 +47,11 @@ def clean() -> None:
     and the containers and networks of the testbed's Compose projects.
 
     Only names with the testbed's prefixes are touched: labs (`tb…-h…`, `tb…-sw`), capability
-    probes (`tbcap-PID-…`) and the work directories of guests, each only once its owner is gone;
-    Compose projects whose workers carry the `testbed.scenario` label, once none of them runs (a
-    running one may be a live run: it is named, with the command that ends it).
+    probes (`tbcap-PID-…`), the work directories of guests, and the Docker Engines and mounted
+    engine disks of `testbed compose --up` (`/run/tb-engine-…`, `/run/tb-disk-…`), each only once
+    its owner is gone; Compose projects whose workers carry the `testbed.scenario` label, once
+    none of them runs (a running one may be a live run: it is named, with the command that ends
+    it).
     """
     from rich.console import Console
 
@@ -57,9 +59,11 @@ def clean() -> None:
     from netem.lab import remove_namespaces
     from netem.sandbox import remove_stale_workdirs
     from testbed.compose import remove_projects
+    from testbed.compose.engine import remove_stale
 
     removed = remove_namespaces(orphans_only=True) + remove_orphan_probes()
     stale = remove_stale_workdirs()
+    engines = remove_stale()
     projects, running = remove_projects()
     listing = f": {', '.join(removed)}" if removed else ""
     console = Console()
@@ -67,6 +71,8 @@ def clean() -> None:
     console.print(
         f"removed {len(stale)} stale guest work director{'y' if len(stale) == 1 else 'ies'}"
     )
+    console.print(f"removed {len(engines)} engine(s) and disk mount(s) of compose --up"
+                  + (f": {', '.join(engines)}" if engines else ""))
     console.print(f"removed {len(projects)} Compose project(s)"
                   + (f": {', '.join(projects)}" if projects else ""))
     for project in running:

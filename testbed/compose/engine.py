@@ -26,11 +26,16 @@ import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
+from netem.lab import process_identity
+
 ENGINE_WAIT = 60.0  # seconds for a new dockerd to answer
 STOP_WAIT = 30.0  # seconds for a stopped dockerd to exit before it is killed
 DISK_NAME = "engine-disk.img"
 DISK_SIZE = 24 << 30  # bytes; the file is sparse: it takes what the images use (about 3 GB)
 IMAGES_SCRIPT = Path("scripts") / "compose-images.sh"
+RUN = Path("/run")
+ENGINE_PREFIX, DISK_PREFIX = "tb-engine-", "tb-disk-"  # under RUN; `remove_stale` knows them
+OWNER = ".owner"  # beside a state directory or mount point: who made it (`process_identity`)
 
 
 class EngineError(RuntimeError):
@@ -62,7 +67,7 @@ class Engine:
 
     def __init__(self, data_root: Path, *, networking: bool = True, iptables: bool = True) -> None:
         self.data_root = data_root
-        self.state = Path(tempfile.mkdtemp(prefix="tb-engine-", dir="/run"))
+        self.state = _owned_directory(ENGINE_PREFIX)
         self.socket = self.state / "docker.sock"
         flags = ["--data-root", str(data_root), "--exec-root", str(self.state / "exec"),
                  "-H", f"unix://{self.socket}", "--pidfile", str(self.state / "dockerd.pid")]
@@ -105,7 +110,7 @@ class Engine:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(process.pid, signal.SIGKILL)
                 process.wait()
-        shutil.rmtree(self.state, ignore_errors=True)
+        _remove(self.state)
 
     def __enter__(self) -> Engine:
         try:
@@ -123,7 +128,7 @@ class Engine:
 def mounted(device: Path, *, loop: bool = False) -> Iterator[Path]:
     """`device` (a block device, or with `loop` an image file) mounted on a fresh directory;
     synced and unmounted on the way out, whatever happened."""
-    point = Path(tempfile.mkdtemp(prefix="tb-disk-", dir="/run"))
+    point = _owned_directory(DISK_PREFIX)
     try:
         options = ["-o", "loop"] if loop else []
         result = subprocess.run(["mount", "-t", "ext4", *options, str(device), str(point)],
@@ -137,6 +142,63 @@ def mounted(device: Path, *, loop: bool = False) -> Iterator[Path]:
             subprocess.run(["umount", str(point)], capture_output=True, check=True)
     finally:
         point.rmdir()
+        _owner_file(point).unlink(missing_ok=True)
+
+
+def _owner_file(directory: Path) -> Path:
+    return directory.with_name(directory.name + OWNER)
+
+
+def _owned_directory(prefix: str) -> Path:
+    """A fresh directory under RUN, with a file beside it naming this process as its owner."""
+    directory = Path(tempfile.mkdtemp(prefix=prefix, dir=RUN))
+    _owner_file(directory).write_text(process_identity(os.getpid()))
+    return directory
+
+
+def remove_stale() -> list[str]:
+    """What a killed `testbed compose --up` left on this host, once the process that made it is
+    gone: its engines (dockerd stopped, state removed), then its mounted disks (unmounted).
+    Returns what was removed."""
+    removed = []
+    for prefix in (ENGINE_PREFIX, DISK_PREFIX):
+        for directory in sorted(RUN.glob(f"{prefix}*")):
+            if not directory.is_dir():
+                continue
+            owner = _owner_file(directory)
+            identity = owner.read_text() if owner.exists() else ""
+            if identity and process_identity(int(identity.split()[0])) == identity:
+                continue  # its owner still runs: a live run
+            if prefix == ENGINE_PREFIX:
+                _kill_engine(directory)
+            _remove(directory)
+            removed.append(str(directory))
+    return removed
+
+
+def _remove(directory: Path) -> None:
+    """Unmount what is mounted at or below `directory` (dockerd leaves the host's network
+    namespace bound under its exec root), deepest first, then remove it and its owner file."""
+    points = [line.split()[1] for line in Path("/proc/mounts").read_text().splitlines()]
+    below = [point for point in points
+             if point == str(directory) or point.startswith(f"{directory}/")]
+    for point in sorted(below, key=len, reverse=True):
+        subprocess.run(["umount", point], capture_output=True)
+    shutil.rmtree(directory, ignore_errors=True)
+    _owner_file(directory).unlink(missing_ok=True)
+
+
+def _kill_engine(state: Path) -> None:
+    """Stop the dockerd whose pid file is in `state`, if it still runs."""
+    with contextlib.suppress(OSError, ValueError):
+        pid = int((state / "dockerd.pid").read_text())
+        if "dockerd" in Path(f"/proc/{pid}/cmdline").read_text():
+            os.killpg(pid, signal.SIGTERM)
+            deadline = time.monotonic() + STOP_WAIT
+            while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+                time.sleep(0.2)  # another session's process: nothing to wait on but /proc
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
 
 
 @contextlib.contextmanager

@@ -66,3 +66,49 @@ def test_the_quickstart_runs_in_the_guest_with_real_netem(docker_engine, tmp_pat
     assert "tbc-" not in names, names
     uml = subprocess.run(["pgrep", "-f", "linux.uml"], capture_output=True, text=True).stdout
     assert not uml.strip(), f"a guest still runs: {uml}"
+
+
+KILLED = """
+import os, sys, time
+from pathlib import Path
+from testbed.compose.engine import Engine, mounted
+
+with mounted(Path(sys.argv[1]), loop=True) as point, Engine(point / "docker",
+                                                            networking=False) as engine:
+    print(engine.state, point, flush=True)
+    time.sleep(600)  # SIGKILLed here, as a killed `testbed compose --up` would be
+"""
+
+
+def test_clean_removes_the_engine_and_the_disk_mount_of_a_killed_compose_up(docker_engine,
+                                                                            tmp_path: Path):
+    """A SIGKILLed `--up` leaves its private dockerd (a session of its own) and its disk
+    mounted; `testbed clean` stops the one and unmounts the other, and only once their owner
+    is gone."""
+    import signal
+
+    from typer.testing import CliRunner
+
+    from testbed.cli import app
+
+    disk = tmp_path / "disk.img"
+    with disk.open("wb") as image:
+        image.truncate(256 << 20)
+    subprocess.run(["mkfs.ext4", "-q", "-F", str(disk)], check=True)
+    owner = subprocess.Popen([sys.executable, "-c", KILLED, str(disk)], stdout=subprocess.PIPE,
+                             text=True)
+    try:
+        state, point = owner.stdout.readline().split()  # the engine answered: both are up
+        assert point in Path("/proc/mounts").read_text()
+        alive = CliRunner().invoke(app, ["clean"])  # its owner runs: a live run
+        assert Path(state).is_dir() and point in Path("/proc/mounts").read_text(), alive.output
+        dockerd = int((Path(state) / "dockerd.pid").read_text())
+    finally:
+        owner.send_signal(signal.SIGKILL)
+        owner.wait()
+    assert Path(f"/proc/{dockerd}").exists(), "dockerd went with its owner"
+    cleaned = CliRunner().invoke(app, ["clean"])
+    assert "removed 2 engine(s) and disk mount(s)" in cleaned.output, cleaned.output
+    assert not Path(state).exists() and point not in Path("/proc/mounts").read_text()
+    assert not Path(f"/proc/{dockerd}").exists() or "zombie" in Path(
+        f"/proc/{dockerd}/status").read_text().lower()
