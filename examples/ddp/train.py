@@ -10,6 +10,7 @@ checksum of its parameters (every rank): replicas that stayed in sync print the 
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import json
 import time
@@ -64,6 +65,12 @@ def main(comm_hook=None) -> None:
                               "seconds": round(time.monotonic() - started, 3)}), flush=True)
     print(json.dumps({"rank": rank, "checksum": checksum(net),
                       "seconds": round(time.monotonic() - started, 3)}), flush=True)
+    # The group goes before the interpreter does: gloo's worker threads let go of their last
+    # work (which holds Python objects) on their own time, and one that does it while Python is
+    # shutting down aborts the process ("terminate called without an active exception", exit
+    # 134). DDP holds the group: with the model gone, the group's destructor joins its threads.
+    del model, optimizer
+    gc.collect()
     dist.destroy_process_group()
 
 

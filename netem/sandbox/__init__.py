@@ -417,16 +417,33 @@ def disk_device(index: int) -> str:
     return f"/dev/ubd{chr(ord('b') + index)}"
 
 
+@dataclass(frozen=True)
+class Disk:
+    """An image file the guest sees as a block device. With `cow`, the guest's writes go to
+    that copy-on-write file (UML makes it, sparse) and `image` is left as it was: throw the
+    file away to forget them."""
+
+    image: Path
+    cow: Path | None = None
+
+    def argument(self) -> str:
+        """The ubd argument's value: `image`, or `cow,image`."""
+        return str(self.image) if self.cow is None else f"{self.cow},{self.image}"
+
+
 def kernel_command_line(
     *, init: Path, uml_dir: Path, umid: str, mem: str = DEFAULT_MEM,
-    disks: Sequence[Path] = (),
+    disks: Sequence[Disk] = (),
 ) -> list[str]:
     """UML's arguments: the host's / as root over hostfs, the console on UML's stdout, and
-    `disks` (image files) as block devices (`disk_device`)."""
+    `disks` as block devices (`disk_device`)."""
     if not re.fullmatch(r"[1-9][0-9]*[KMG]?", mem):
         raise ValueError(f"mem: expected a size such as 512M or 1G, got {mem!r}")
     named = [("init", str(init)), ("uml_dir", str(uml_dir)), ("umid", umid)]
-    named += [(f"disks[{i}]", str(disk)) for i, disk in enumerate(disks)]
+    for i, disk in enumerate(disks):
+        named.append((f"disks[{i}].image", str(disk.image)))
+        if disk.cow is not None:
+            named.append((f"disks[{i}].cow", str(disk.cow)))
     for name, value in named:
         if not value or re.search(r"[\s,]", value):
             raise ValueError(f"{name}: must be non-empty without whitespace or commas, "
@@ -434,7 +451,8 @@ def kernel_command_line(
     return [
         f"mem={mem}", "quiet", "rootfstype=hostfs", "rootflags=/", "rw",
         "con=null", "con0=null,fd:1", f"uml_dir={uml_dir}", f"umid={umid}", f"init={init}",
-        *(f"{disk_device(i).removeprefix('/dev/')}={disk}" for i, disk in enumerate(disks)),
+        *(f"{disk_device(i).removeprefix('/dev/')}={disk.argument()}"
+          for i, disk in enumerate(disks)),
     ]
 
 
@@ -553,16 +571,16 @@ def run(
     mem: str = DEFAULT_MEM,
     stream: bool = True,
     kernel: UmlKernel | None = None,
-    disks: Sequence[Path] = (),
+    disks: Sequence[Disk] = (),
 ) -> GuestResult:
     """Run `argv` as root in a fresh UML guest and return its exit code and output.
 
     `env` defaults to this process's environment; the guest adds TESTBED_IN_GUEST=1. With
     `stream`, output is written to stdout as it arrives. `disks` are image files the guest
-    sees as block devices (`disk_device(i)`: /dev/ubdb, ...), written through to the files:
-    the job must unmount what it mounted from them before it ends (the guest powers off at
-    once). The guest is killed (whole process group) and its files removed on timeout
-    (`GuestTimeout`), Ctrl-C, and normal exit.
+    sees as block devices (`disk_device(i)`: /dev/ubdb, ...), written through to the files
+    (or their copy-on-write files): the job must unmount what it mounted from them before it
+    ends (the guest powers off at once). The guest is killed (whole process group) and its
+    files removed on timeout (`GuestTimeout`), Ctrl-C, and normal exit.
     """
     kernel = kernel or prepare()
     _need_tools("booting the guest", GUEST_TOOLS, GUEST_PATH)
@@ -588,7 +606,7 @@ def _boot(
     token: str,
     umid: str,
     workdir: Path,
-    disks: Sequence[Path] = (),
+    disks: Sequence[Disk] = (),
 ) -> GuestResult:
     guest_env = dict(os.environ if env is None else env, TESTBED_IN_GUEST="1")
     init, helper, rc_file = workdir / "init", workdir / "modprobe", workdir / "rc"

@@ -21,6 +21,7 @@ import os
 import secrets
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.parse
 import urllib.request
@@ -309,12 +310,15 @@ def run_in_guest(project: Path, *, say: Say = print, monitoring: bool = True,
     argv = [sys.executable, "-m", "testbed.compose.up", str(project.resolve()),
             str(result.resolve()), json.dumps(options)]
     begun = time.monotonic()
-    with image_disk(root, say=say) as disk:
+    with image_disk(root, say=say) as disk, tempfile.TemporaryDirectory(
+            prefix="tb-cow-") as scratch:
         disk_ready = time.monotonic()
         say(f"guest: Docker Engine in a User-Mode Linux guest ({sandbox.describe(kernel)}), "
             f"the images on {disk}")
-        guest = sandbox.run(argv, kernel=kernel, mem=GUEST_MEM, disks=[disk],
-                            timeout=timeout + 600)
+        # The guest writes to a copy-on-write file, thrown away after: its containers,
+        # networks and volumes never reach the disk, whose engine the host starts too.
+        guest = sandbox.run(argv, kernel=kernel, mem=GUEST_MEM, timeout=timeout + 600,
+                            disks=[sandbox.Disk(disk, cow=Path(scratch) / "guest.cow")])
     ended = time.monotonic()
     if not result.exists():
         raise UpError(f"the guest ended (exit {guest.returncode}) without a report:\n"

@@ -30,8 +30,10 @@ PROGRAM = """
 import json, os, sys, time
 from prometheus_client import Counter, start_http_server
 
-start_http_server(int(os.environ["TESTBED_METRICS_PORT"]))
+# The counter first: a scrape as soon as the server listens must find it (on a loaded host
+# one came between the two lines).
 ticks = Counter("program_ticks", "ticks of the user's program")
+start_http_server(int(os.environ["TESTBED_METRICS_PORT"]))
 keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
         "GLOO_SOCKET_IFNAME", "TESTBED_RANK", "TESTBED_ADDRESSES", "TESTBED_RUN_DIR",
         "TESTBED_SCENARIO", "TESTBED_RESTARTED", "MINE")

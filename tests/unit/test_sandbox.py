@@ -15,6 +15,7 @@ from netem.sandbox import (
     PINNED_LIBC,
     PINNED_UML,
     ConsoleSplitter,
+    Disk,
     SandboxError,
     UmlKernel,
     choose_libc,
@@ -144,12 +145,13 @@ def test_command_line_rejects_whitespace_that_would_split_an_argument():
 
 def test_disks_become_the_guests_block_devices_in_order():
     line = kernel_command_line(init=Path("/i"), uml_dir=Path("/u"), umid="x",
-                               disks=[Path("/c/docker.img"), Path("/c/other.img")])
-    assert line[-2:] == ["ubdb=/c/docker.img", "ubdc=/c/other.img"]
+                               disks=[Disk(Path("/c/docker.img"), cow=Path("/t/run.cow")),
+                                      Disk(Path("/c/other.img"))])
+    assert line[-2:] == ["ubdb=/t/run.cow,/c/docker.img", "ubdc=/c/other.img"]
     assert [disk_device(i) for i in range(2)] == ["/dev/ubdb", "/dev/ubdc"]
-    with pytest.raises(ValueError, match=r"disks\[0\]"):
+    with pytest.raises(ValueError, match=r"disks\[0\]\.image"):
         kernel_command_line(init=Path("/i"), uml_dir=Path("/u"), umid="x",
-                            disks=[Path("/c/a,b.img")])
+                            disks=[Disk(Path("/c/a,b.img"))])
     with pytest.raises(ValueError, match="at most 7"):
         disk_device(7)
 
