@@ -340,7 +340,8 @@ def summarize(run: Run, success: bool | None = None, error: str | None = None) -
 
 def describe_runs(root: str | Path, log_lines: int = 12) -> str:
     """Every run directory under `root` (found by its `logs/`), for a failed test's report: its
-    summary's verdict and error, and the last `log_lines` lines of each log."""
+    summary's verdict and error, and the last `log_lines` lines of each log and of each
+    command job's stderr."""
     parts = []
     for logs in sorted(Path(root).rglob("logs")):
         run = logs.parent
@@ -353,7 +354,7 @@ def describe_runs(root: str | Path, log_lines: int = 12) -> str:
                 parts.append(f"{run}: {SUMMARY} unreadable ({error})")
         else:
             parts.append(f"{run}: no {SUMMARY}")
-        for log in sorted(logs.glob("*.log")):
+        for log in sorted([*logs.glob("*.log"), *logs.glob("*.stderr")]):
             lines = log.read_text(errors="replace").splitlines()[-log_lines:]
             parts.append(f"--- {log.name} (last {len(lines)} lines)")
             parts.extend(lines)

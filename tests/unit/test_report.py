@@ -371,6 +371,8 @@ def test_describe_runs_gives_each_runs_verdict_and_log_tails(tmp_path: Path):
     (run / "logs").mkdir(parents=True)
     (run / "summary.json").write_text(json.dumps({"success": False, "error": "worker 1 died"}))
     (run / "logs" / "worker-1.log").write_text("".join(f"line {i}\n" for i in range(30)))
+    (run / "logs" / "worker-1.stderr").write_text("terminate called\n")  # a command job's
+    (run / "logs" / "worker-1.stdout").write_text("not shown\n")
     (tmp_path / "b" / "logs").mkdir(parents=True)
 
     text = describe_runs(tmp_path, log_lines=3)
@@ -378,3 +380,5 @@ def test_describe_runs_gives_each_runs_verdict_and_log_tails(tmp_path: Path):
     assert f"{run}: success=False error=worker 1 died" in text
     assert "--- worker-1.log (last 3 lines)\nline 27\nline 28\nline 29" in text
     assert f"{tmp_path / 'b'}: no summary.json" in text
+    assert "--- worker-1.stderr (last 1 lines)\nterminate called" in text
+    assert "not shown" not in text
