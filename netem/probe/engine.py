@@ -449,7 +449,7 @@ def probe(
     rate_duration: float = 0.0,
     offered_rate: float | None = None,
     timeout: float = 5.0,
-    trains: int = 3,
+    trains: int = 5,
 ) -> ProbeResult:
     """Measure the link from namespace `source` to `address` in namespace `destination` (None:
     this process's namespace): a timed probe train, then, if `rate_duration` > 0, a bulk train

@@ -49,9 +49,6 @@ POLL = 1.0  # seconds between looks at containers and Prometheus: they offer not
 GUEST_MEM = "6G"  # four workers with torch, Prometheus, and the engine's page cache
 GUEST_RESULT = "compose-up.json"  # the guest's report, in the project's directory
 IFACE = "eth0"
-# Probe trains at most, where the host is too busy to time one (a guest is descheduled whole
-# when the host is loaded: seen with a test soak beside it); each takes two seconds.
-TRAINS = 5
 
 Say = Callable[[str], None]
 
@@ -164,7 +161,7 @@ def _measure(namespaces: Mapping[str, str], hosts: Sequence[str], src: int,
     configured = netem.show(IFACE, netns=receiver).get(hosts[src]) or netem.show(
         IFACE, netns=receiver)[None]
     with _promptly():
-        result = probe(namespaces[service_name(src)], receiver, hosts[dst], trains=TRAINS)
+        result = probe(namespaces[service_name(src)], receiver, hosts[dst])
     checks = compare(configured, result)
     return {"link": f"{src}->{dst}", "configured": str(configured),
             "received": result.received, "sent": result.sent, "trains": result.trains,
