@@ -35,15 +35,19 @@ def _install() -> None:
                        check=True, env=env, capture_output=True)
 
 
+BRIDGES = ("docker0", "docker_gwbridge")  # the default bridge; a swarm's containers' way out
+
+
 def _leftovers_of_dockerd() -> None:
-    """What a stopped dockerd leaves: its bridge, its iptables rules and chains (DOCKER*)."""
-    subprocess.run(["ip", "link", "del", "docker0"], capture_output=True)
+    """What a stopped dockerd leaves: its bridges, its iptables rules and chains (DOCKER*)."""
+    for bridge in BRIDGES:
+        subprocess.run(["ip", "link", "del", bridge], capture_output=True)
     for table in ("nat", "filter"):
         rules = subprocess.run(["iptables", "-t", table, "-S"], capture_output=True,
                                text=True).stdout.splitlines()
         for rule in rules:
             words = rule.split()
-            if words[0] == "-A" and any("DOCKER" in w or w == "docker0" for w in words[2:]):
+            if words[0] == "-A" and any("DOCKER" in w or w in BRIDGES for w in words[2:]):
                 subprocess.run(["iptables", "-t", table, "-D", *words[1:]], capture_output=True)
         chains = [rule.split()[1] for rule in rules
                   if rule.startswith("-N ") and rule.split()[1].startswith("DOCKER")]
