@@ -251,3 +251,25 @@ def test_a_peer_back_at_another_address_is_followed_by_its_rule_and_collective(t
     # Worker 0 lists the workers for Prometheus by name: a moved one is found where it is.
     node._write_targets("s-1")
     assert "worker-2:9100" in (tmp_path / "prometheus-targets.json").read_text()
+
+
+def test_the_command_line_writes_the_stack_and_says_how_to_label_deploy_and_end_it(tmp_path):
+    from typer.testing import CliRunner
+
+    from testbed.cli import app
+
+    out = tmp_path / "stack"
+    result = CliRunner().invoke(app, ["compose", "two-regions", "--swarm", "-o", str(out),
+                                      "--no-grafana"])
+    assert result.exit_code == 0, result.output
+    assert "docker node update --label-add testbed.group.east=true NODE" in result.output
+    assert (f"docker stack deploy --resolve-image never -c {out / STACK_FILE} -c "
+            f"{out / MONITORING_FILE} testbed-two-regions") in result.output
+    assert "docker stack rm testbed-two-regions" in result.output
+    for wrong, message in ((["--place", "racks"], "--place: expected one of groups"),
+                           (["--up"], "--up, --keep: for a Compose project"),
+                           (["--subnet", "10.0.0.300/24"], "--subnet: "),
+                           (["--runs", "relative"], "runs: a path every node has")):
+        result = CliRunner().invoke(app, ["compose", "quickstart", "--swarm", "-o",
+                                          str(tmp_path / "other"), *wrong])
+        assert result.exit_code == 2 and message in result.output, (wrong, result.output)
