@@ -235,11 +235,17 @@ def test_a_stack_on_a_single_node_swarm_runs_to_its_end_and_leaves_nothing(swarm
     moved = [(e["rank"], e["previous"], e["host"]) for e in records if e["type"] == "moved"]
     print(f"worker 3's tasks' addresses: {killed[3]} then {back[3]}")
     assert moved == ([] if killed[3] == back[3] else [(3, killed[3], back[3])]), moved
+    # The workers found each other by name, and sized their datagrams for the overlay's MTU
+    # (at most 1450: VXLAN's 50 bytes less than 1500; below that where the host's NIC has less).
     cluster = next(e for e in records if e["type"] == "cluster")
-    assert cluster["names"] == [f"worker-{r}" for r in range(4)] and cluster["mtu"] == 1450
+    assert cluster["names"] == [f"worker-{r}" for r in range(4)], cluster
+    assert cluster["mtu"] <= 1450, cluster
 
 
-def test_docker_stack_config_takes_every_shipped_scenarios_stack(swarm, tmp_path):
+def test_docker_stack_config_takes_every_shipped_scenarios_stack(tmp_path):
+    """`docker stack config` checks a stack against the compose-file schema (it refuses keys
+    the stack format lacks, Compose's `profiles` among them) with the command line alone: no
+    engine, no swarm."""
     for path in scenario_files():
         stack, monitoring = write_stack(path, tmp_path / path.stem)
         merged = yaml.safe_load(_docker("stack", "config", "-c", str(stack), "-c",
