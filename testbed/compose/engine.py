@@ -94,7 +94,9 @@ class Engine:
             time.sleep(0.2)  # dockerd offers nothing to wait on but its socket
 
     def stop(self) -> None:
-        """Stop dockerd (its containers with it) and remove its state directory."""
+        """Stop dockerd (its containers with it) and remove its state directory, with what
+        dockerd may leave mounted in it (its default network namespace, bound at
+        exec/netns/default, stayed after a swarm had run)."""
         process, self._process = self._process, None
         if process is not None:
             with contextlib.suppress(ProcessLookupError):
@@ -105,6 +107,8 @@ class Engine:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(process.pid, signal.SIGKILL)
                 process.wait()
+        for point in mounts_under(self.state):
+            subprocess.run(["umount", point], capture_output=True)
         shutil.rmtree(self.state, ignore_errors=True)
 
     def __enter__(self) -> Engine:
@@ -117,6 +121,15 @@ class Engine:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def mounts_under(directory: Path) -> list[str]:
+    """The mount points at or below `directory`, deepest first (the order to unmount them)."""
+    prefix = str(directory.resolve())
+    points = [line.split()[1].encode().decode("unicode_escape")
+              for line in Path("/proc/self/mounts").read_text().splitlines()]
+    return sorted((p for p in points if p == prefix or p.startswith(prefix + "/")),
+                  key=len, reverse=True)
 
 
 @contextlib.contextmanager

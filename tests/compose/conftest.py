@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from testbed.compose.engine import mounts_under
+
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE_WAIT = 60.0  # seconds for dockerd to answer
 PACKAGES = ("docker.io", "debootstrap")
@@ -108,4 +110,6 @@ def docker_engine() -> Iterator[None]:
                 process.wait()
             _leftovers_of_dockerd()
             _restore_host_settings(host)
+            for point in mounts_under(state):  # its default network namespace, after a swarm
+                subprocess.run(["umount", point], capture_output=True)
             shutil.rmtree(state, ignore_errors=True)
