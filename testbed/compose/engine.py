@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -126,7 +127,7 @@ class Engine:
 def mounts_under(directory: Path) -> list[str]:
     """The mount points at or below `directory`, deepest first (the order to unmount them)."""
     prefix = str(directory.resolve())
-    points = [line.split()[1].encode().decode("unicode_escape")
+    points = [re.sub(r"\\([0-7]{3})", lambda octal: chr(int(octal[1], 8)), line.split()[1])
               for line in Path("/proc/self/mounts").read_text().splitlines()]
     return sorted((p for p in points if p == prefix or p.startswith(prefix + "/")),
                   key=len, reverse=True)
