@@ -735,8 +735,24 @@ def compose(
         show_default=False)] = None,
     steps: Annotated[int | None, typer.Option(
         help="Override the job's steps (e.g. to shorten a run).", min=1)] = None,
-    subnet: Annotated[str, typer.Option(help="The workers' bridge network (IPv4).")]
-    = "172.28.0.0/24",
+    subnet: Annotated[str | None, typer.Option(
+        help="The workers' network (IPv4). Compose: its bridge (default 172.28.0.0/24); "
+        "Swarm: its overlay (default: Swarm's choice).", show_default=False)] = None,
+    swarm: Annotated[bool, typer.Option(
+        "--swarm", help="Write a Docker Swarm stack instead (docker-stack.yaml, and "
+        "docker-stack-monitoring.yaml for Prometheus and Grafana): the same workers on one "
+        "machine or many (docs/multi-host.md).")] = False,
+    place: Annotated[str, typer.Option(
+        help="With --swarm. groups: each worker in a group of topology.groups on nodes "
+        "labelled testbed.group.<group>=true; workers: each on nodes labelled "
+        "testbed.worker.<rank>=true; none: anywhere.")] = "groups",
+    runs: Annotated[Path | None, typer.Option(
+        help="With --swarm: the run directory, an absolute path that every node has (a "
+        "shared filesystem). Default: the stack's runs/ (one machine).",
+        show_default=False)] = None,
+    grafana: Annotated[bool, typer.Option(
+        help="With --swarm: Grafana in the monitoring stack (leave it out where its image "
+        "cannot be had).")] = True,
     up: Annotated[bool, typer.Option(
         "--up", help="Also run it, end to end, where netem exists: here, or in a User-Mode "
         "Linux guest with a Docker Engine of its own (see --sandbox); shows what the kernel "
@@ -751,25 +767,38 @@ def compose(
         "--json", help="With --up: print the run's report as one JSON document.")] = False,
 ) -> None:
     """Write a Docker Compose project for a scenario (workers; Prometheus and Grafana under the
-    monitoring profile); `--up` also runs it where netem exists (docs/compose.md)."""
+    monitoring profile), or with `--swarm` a Docker Swarm stack; `--up` also runs a Compose
+    project where netem exists (docs/compose.md, docs/multi-host.md)."""
     import ipaddress
     import json
-    from pathlib import Path
 
     from testbed.compose import ComposeError, default_directory, write_project
+    from testbed.compose.project import SUBNET
     from testbed.scenario import ScenarioError, find_scenario, load_scenario
 
     if sandbox not in ("auto", "uml", "none"):
         typer.echo(f"--sandbox: expected auto, uml or none, got {sandbox!r}", err=True)
         raise typer.Exit(2)
+    if swarm and (up or keep):
+        typer.echo("--up, --keep: for a Compose project; deploy a stack with the `docker stack "
+                   "deploy` line --swarm prints", err=True)
+        raise typer.Exit(2)
     path = find_scenario(scenario)
     try:
-        ipaddress.ip_network(subnet)
+        if subnet is not None:
+            try:
+                ipaddress.ip_network(subnet)
+            except ValueError as error:
+                raise ValueError(f"--subnet: {error}") from None
         loaded = load_scenario(path, steps=steps)
+        if swarm:
+            _write_stack(path, loaded, out=out, steps=steps, place=place, runs=runs,
+                         grafana=grafana, subnet=subnet)
+            return
         directory = Path(out) if out else default_directory(loaded)
-        written = write_project(path, directory, steps=steps, subnet=subnet)
+        written = write_project(path, directory, steps=steps, subnet=subnet or SUBNET)
     except (ScenarioError, ComposeError, ValueError) as error:
-        typer.echo(f"--subnet: {error}" if "network" in str(error) else str(error), err=True)
+        typer.echo(str(error), err=True)
         raise typer.Exit(2) from None
     if loaded.capture.links:
         typer.echo("capture: not under Compose (testbed run captures links; in a container, "
@@ -793,6 +822,38 @@ def compose(
         _show_compose_report(report)
     if not report.get("success"):
         raise typer.Exit(1)
+
+
+def _write_stack(path: Path, scenario, *, out: str | None, steps: int | None, place: str,
+                 runs: Path | None, grafana: bool, subnet: str | None) -> None:
+    """`testbed compose --swarm`: the stack files, and how to deploy them."""
+    from typing import cast
+
+    from testbed.compose.swarm import (
+        PLACES,
+        Place,
+        default_directory,
+        node_labels,
+        stack_name,
+        write_stack,
+    )
+
+    if place not in PLACES:
+        raise ValueError(f"--place: expected one of {', '.join(PLACES)}, got {place!r}")
+    placed = cast(Place, place)
+    directory = Path(out) if out else default_directory(scenario)
+    stack, monitoring = write_stack(path, directory, steps=steps, place=placed, runs=runs,
+                                    grafana=grafana, subnet=subnet)
+    typer.echo(f"stack:           {stack}")
+    typer.echo(f"monitoring:      {monitoring}")
+    if scenario.authenticates("compose"):
+        typer.echo(f"the run's key:   {directory / 'run.key'} (a Swarm secret once deployed)")
+    for label, ranks in node_labels(scenario, placed).items():
+        typer.echo(f"label nodes:     docker node update --label-add {label}=true NODE   "
+                   f"(workers {', '.join(map(str, ranks))})")
+    typer.echo(f"deploy it:       docker stack deploy --resolve-image never -c {stack} "
+               f"-c {monitoring} {stack_name(scenario)}")
+    typer.echo(f"end it:          docker stack rm {stack_name(scenario)}")
 
 
 def _compose_up(project, scenario, *, sandbox: str, keep: bool, say,

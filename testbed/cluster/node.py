@@ -17,6 +17,12 @@ a container has only its own network namespace, so each node does its part of bo
 - Worker 0 serves the run's store (so the generator refuses a scenario that preempts it),
   creates the run directory (`/runs/<scenario>-<UTC time>`, named in the store for the others),
   writes the timeline's records, and, once every worker ended, the summary and the report.
+- Under Docker Swarm the workers have no fixed addresses: `--hosts` names their services
+  (`endpoint_mode: dnsrr`, so a name resolves to its task, not to a load-balancing VIP that
+  hides the sender), resolved at the start (`resolve_hosts`), and the interface to shape is the
+  one holding this worker's own address (`--iface auto`). A restarted task comes back at a new
+  address: it posts it in the run's store, and every node, before its next step, moves that
+  peer's rule on its ingress and tells its collective (`Worker.peer_moved`).
 
 Everything else is the namespace worker's (`testbed.cluster.worker.Worker`).
 """
@@ -24,11 +30,14 @@ Everything else is the namespace worker's (`testbed.cluster.worker.Worker`).
 from __future__ import annotations
 
 import datetime
+import ipaddress
 import json
 import os
 import signal
+import socket
 import sys
 import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +64,9 @@ KEY_FILE = Path("/run/secrets/testbed-key")
 END_WAIT = 600.0  # seconds worker 0 waits for the others' ends before writing the summary
 POLL = 0.2  # seconds between looks at the store while waiting for a restart to be due
 RUN_KEY, ORIGIN_KEY, ID_KEY = "compose/run", "compose/origin", "compose/run_id"
+# Each node's address under its rank, and how many times one was posted (a peer that moved).
+ADDRESS_KEY, POSTED_KEY = "compose/address/{}", "compose/addresses_posted"
+AUTO_IFACE = "auto"  # --iface: the interface that holds this worker's own address
 
 
 def service_name(rank: int) -> str:
@@ -80,6 +92,14 @@ class IngressLinks(ShapedNetwork):
             rules[self.hosts[src]] = profile
         return rules
 
+    def move(self, peer: int, host: str) -> None:
+        """Peer `peer` sends from `host` now: its rule follows it (the rules are rebuilt, as
+        their sources changed), under the lock the timeline's changes take."""
+        with self._lock:
+            self.hosts[peer] = host
+            if self._started:
+                netem.change(self.iface, self.rules(), direction="ingress", backend=self.backend)  # type: ignore[arg-type]
+
     def start(self) -> float:
         begun = time.perf_counter()
         netem.apply(self.iface, self.rules(), direction="ingress", backend=self.backend)  # type: ignore[arg-type]
@@ -99,6 +119,59 @@ class IngressLinks(ShapedNetwork):
         return time.perf_counter() - begun
 
 
+def is_address(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def _lookup(name: str) -> set[str]:
+    """The IPv4 addresses `name` resolves to now (none: not yet)."""
+    try:
+        found = socket.getaddrinfo(name, None, socket.AF_INET, socket.SOCK_STREAM)
+    except socket.gaierror:
+        return set()
+    return {str(entry[4][0]) for entry in found}
+
+
+def local_interfaces() -> dict[str, tuple[str, int]]:
+    """This namespace's IPv4 addresses: address -> (its interface, the interface's MTU)."""
+    from pyroute2 import IPRoute
+
+    with IPRoute() as ipr:
+        links = {link["index"]: (link.get_attr("IFLA_IFNAME"), link.get_attr("IFLA_MTU"))
+                 for link in ipr.get_links()}
+        return {message.get_attr("IFA_ADDRESS"): links[message["index"]]
+                for message in ipr.get_addr(family=socket.AF_INET)
+                if message["index"] in links}
+
+
+def resolve_hosts(hosts: list[str], rank: int, *, wait: float = STORE_WAIT,
+                  lookup: Callable[[str], set[str]] = _lookup,
+                  local: Callable[[], Mapping[str, Any]] = local_interfaces) -> list[str]:
+    """Every worker's address, by rank: an address stays as it is; a name (a Swarm service's)
+    is resolved, waiting until it names exactly one address (a task's name appears once the
+    task runs; two would be a departing task's and its successor's). This worker's own name
+    may still list its previous task's address: its own is the one on a local interface.
+    Raises ValueError naming the hosts that did not resolve within `wait` seconds."""
+    deadline = time.monotonic() + wait
+    while True:
+        found = {r: {h} if is_address(h) else lookup(h) for r, h in enumerate(hosts)}
+        if not is_address(hosts[rank]):
+            found[rank] &= set(local())
+        pending = {r: sorted(a) for r, a in found.items() if len(a) != 1}
+        if not pending:
+            return [found[r].pop() for r in range(len(hosts))]
+        if time.monotonic() > deadline:
+            listing = ", ".join(f"{hosts[r]} ({', '.join(a) or 'no address'})"
+                                for r, a in pending.items())
+            raise ValueError(f"--hosts: not resolved to one address each within {wait:g} s: "
+                             f"{listing}")
+        time.sleep(POLL)  # names appear as Swarm starts the tasks: nothing to wait on
+
+
 def preempting(scenario: Scenario) -> dict[int, list[Event]]:
     """Worker -> the timeline's kill and restart events naming it, in timeline order."""
     found: dict[int, list[Event]] = {}
@@ -107,6 +180,13 @@ def preempting(scenario: Scenario) -> dict[int, list[Event]]:
                 else ():
             found.setdefault(rank, []).append(event)
     return found
+
+
+def restarted_workers(scenario: Scenario) -> set[int]:
+    """The workers the timeline restarts: the only ones a restart policy brings back (and,
+    under Swarm, the only ones that can come back at another address)."""
+    return {rank for rank, events in preempting(scenario).items()
+            if any(event.action == "restart" for event in events)}
 
 
 class Node:
@@ -118,10 +198,15 @@ class Node:
         from testbed.scenario import load_scenario
         from testbed.transport.auth import read_key
 
-        self.scenario_path, self.rank, self.hosts, self.runs = scenario_path, rank, hosts, runs
+        self.scenario_path, self.rank, self.runs = scenario_path, rank, runs
+        # As given (addresses, or names under Swarm), and resolved (`_resolve`, at the start).
+        self.given, self.hosts = list(hosts), list(hosts)
+        self.named = not all(is_address(host) for host in hosts)
         self.base_dir = base_dir
+        self.mtu: int | None = None  # the shaped interface's, where below the scenario's
         self.scenario = load_scenario(scenario_path, steps=steps)
         self.steps = steps
+        self._restarts = bool(restarted_workers(self.scenario))
         if len(hosts) != self.scenario.count:
             raise ValueError(f"--hosts: the scenario has {self.scenario.count} workers, "
                              f"got {len(hosts)} addresses")
@@ -134,8 +219,10 @@ class Node:
                                  f"is not at {key_file}; regenerate the project with `testbed "
                                  "compose`, which writes and mounts it") from None
             self.key_file = key_file
-        self.network = IngressLinks(self.scenario, rank, hosts, iface, backend)
+        self.network = IngressLinks(self.scenario, rank, list(hosts), iface, backend)
         self._store: Any = None
+        self._worker: Worker | None = None
+        self._posted = 0  # addresses posted in the store, as this node last read them
         self._client: Any = None
         self._writer: Any = None
         self._timeline: Timeline | None = None
@@ -145,25 +232,30 @@ class Node:
     def run(self) -> int:
         from torch.distributed import TCPStore
 
+        self._resolve()
         self.network.start()  # first: a kernel that cannot shape them ends every worker at once
         try:
             if self.rank == 0:
                 self._store = serve_run_store("0.0.0.0", PORTS["drift"])
             self._client = TCPStore(self.hosts[0], PORTS["drift"], is_master=False,
                                     timeout=datetime.timedelta(seconds=STORE_WAIT))
+            if self.named:  # where the others find this worker, if it moved
+                self._client.set(ADDRESS_KEY.format(self.rank), self.hosts[self.rank])
+                self._client.add(POSTED_KEY, 1)
             rejoin = self._client.check([f"start/{self.rank}"])
             run_dir = self.run_dir = self._run_dir()
             spec = WorkerSpec(scenario=str(self.scenario_path), rank=self.rank,
                               world=self.scenario.count, hosts=self.hosts, run_dir=str(run_dir),
                               run_id=int(self._client.get(ID_KEY)), steps=self.steps,
                               base_dir=None if self.base_dir is None else str(self.base_dir),
-                              rejoin=rejoin,
+                              rejoin=rejoin, mtu=self.mtu,
                               key_file=None if self.key_file is None else str(self.key_file))
             self._rejoin = rejoin
             if rejoin:
                 self._wait_for_restart()
-            code = Worker(spec, on_start=self._start_timeline,
-                          before_step=self._before_step).run()
+            self._worker = Worker(spec, on_start=self._start_timeline,
+                                  before_step=self._before_step)
+            code = self._worker.run()
             if self.rank == 0:
                 self._finish(run_dir, code)
             return code
@@ -171,6 +263,43 @@ class Node:
             if self._timeline is not None:
                 self._timeline.stop()
             self.network.close()
+
+    def _resolve(self) -> None:
+        """The workers' addresses (names resolved), the interface to shape (`auto`: the one
+        holding this worker's address) and its MTU, which caps the datagrams' size where it
+        is below the scenario's (an overlay network's VXLAN takes 50 bytes)."""
+        self.hosts = resolve_hosts(self.given, self.rank)
+        self.network.hosts = list(self.hosts)
+        interfaces = local_interfaces()
+        if self.network.iface == AUTO_IFACE:
+            if self.hosts[self.rank] not in interfaces:
+                raise ValueError(f"--iface auto: no interface here holds this worker's address "
+                                 f"{self.hosts[self.rank]}")
+            self.network.iface = interfaces[self.hosts[self.rank]][0]
+        mtu = next((mtu for name, mtu in interfaces.values() if name == self.network.iface),
+                   None)
+        if mtu is not None and mtu < self.scenario.topology.mtu:
+            self.mtu = mtu
+
+    def _follow_moves(self) -> None:
+        """Peers whose task restarted at another address (posted in the store): their rules on
+        this worker's ingress and its collective follow them; worker 0 records each move."""
+        posted = self._client.add(POSTED_KEY, 0)
+        if posted == self._posted:
+            return
+        self._posted = posted
+        for peer in range(self.scenario.count):
+            key = ADDRESS_KEY.format(peer)
+            if peer == self.rank or not self._client.check([key]):
+                continue
+            host = self._client.get(key).decode()
+            if host != self.hosts[peer]:
+                if self._writer is not None:
+                    self._writer.event("moved", rank=peer, previous=self.hosts[peer], host=host)
+                self.hosts[peer] = host
+                self.network.move(peer, host)
+                if self._worker is not None:
+                    self._worker.peer_moved(peer, host)
 
     # -- the run directory and its records
 
@@ -183,7 +312,9 @@ class Node:
             self._writer = RunWriter.create(run_dir, scenario=self.scenario_path.read_text(),
                                             name=self.scenario.name, compose=True)
             self._writer.event("cluster", hosts=self.hosts, backend=self.network.backend,
-                               compose=True)
+                               compose=True, iface=self.network.iface,
+                               **({"names": self.given} if self.named else {}),
+                               **({"mtu": self.mtu} if self.mtu is not None else {}))
             self._client.set(ID_KEY, str(int.from_bytes(os.urandom(4), "big")))
             self._client.set(RUN_KEY, run_dir.name)
             self._write_targets(run_dir.name)
@@ -195,14 +326,16 @@ class Node:
 
     def _write_targets(self, run: str) -> None:
         """This run's scrape targets for the project's Prometheus (`runs/TARGETS_FILE`): every
-        worker at its address, labelled with the run, so each run's series are its own.
-        Replaced whole, so Prometheus never reads half of it."""
+        worker as `--hosts` gave it (an address, or under Swarm a name that Prometheus resolves
+        at each scrape, so a restarted task is found at its new address), labelled with the
+        run, so each run's series are its own. Replaced whole, so Prometheus never reads half
+        of it."""
         ports = {"testbed": PORTS["metrics"]}
         if self.scenario.command is not None and self.scenario.command.metrics_port is not None:
             ports["program"] = self.scenario.command.metrics_port  # a command job's own
         labels = {"scenario": self.scenario.name, "run": run}
         groups = [group for source, port in ports.items() for group in target_groups(
-            [f"{host}:{port}" for host in self.hosts],
+            [f"{host}:{port}" for host in self.given],
             {**labels, "source": source})]
         part = self.runs / f".{TARGETS_FILE}.part"
         part.write_text(json.dumps(groups, indent=2) + "\n")
@@ -267,6 +400,8 @@ class Node:
                    default=-1)
 
     def _before_step(self, step: int) -> None:
+        if self.named and self._restarts:
+            self._follow_moves()
         if self._timeline is not None:
             self._timeline.on_step(step)
 

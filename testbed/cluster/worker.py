@@ -54,7 +54,8 @@ class WorkerSpec:
     address of the run's store (None: worker 0's). `base_dir`: what paths in the scenario are
     relative to (None: the scenario file's directory; the runner gives workers a copy of the
     file, so it names the original's). `rejoin`: a worker restarted after a preemption, which
-    joins the run where the others are."""
+    joins the run where the others are. `mtu`: the interface's, where it is below the
+    scenario's (an overlay network's; None: the scenario's)."""
 
     scenario: str
     rank: int
@@ -70,6 +71,7 @@ class WorkerSpec:
     base_dir: str | None = None
     rejoin: bool = False
     key_file: str | None = None
+    mtu: int | None = None
 
     def __post_init__(self) -> None:
         if self.world < 1:
@@ -124,7 +126,7 @@ def placement(spec: WorkerSpec, scenario: Any) -> Any:
     from testbed.transport.auth import read_key
 
     return Placement(rank=spec.rank, world=spec.world, hosts=spec.hosts, port=spec.port,
-                     run_id=spec.run_id, mtu=scenario.topology.mtu,
+                     run_id=spec.run_id, mtu=spec.mtu or scenario.topology.mtu,
                      congestion=scenario.congestion(spec.rank), rejoining=spec.rejoin,
                      key=read_key(Path(spec.key_file)) if spec.key_file else None)
 
@@ -340,6 +342,13 @@ class Worker:
         self.spec = spec
         self.on_start = on_start or (lambda: None)
         self.before_step = before_step or (lambda step: None)
+        self._collective: Any = None
+
+    def peer_moved(self, rank: int, host: str) -> None:
+        """Peer `rank` came back at another address (a restarted Swarm task): the collective
+        sends to it there and takes its datagrams from there (called between steps)."""
+        if self._collective is not None:
+            self._collective.peer_moved(rank, host)
 
     def run(self) -> int:
         from testbed import collectives
@@ -372,6 +381,7 @@ class Worker:
                 tail = 1 if scenario.job.strategy == "gradient" else 0
                 collective = wrap(collective, compressor.kind, dense_tail=tail,
                                   **compressor.parameters())
+            self._collective = collective
             evaluation = self._train(scenario, collective, writer, metrics, PeerExchange(spec))
             say(rank=spec.rank, done=True, evaluation=evaluation,
                  seconds=time.monotonic() - started)

@@ -122,6 +122,12 @@ class CollectiveBase:
         this collective has no way; the run's store serves them)."""
         return None
 
+    def peer_moved(self, rank: int, host: str) -> None:
+        """Peer `rank` is at `host` now (its Swarm task restarted at another address): send
+        to it there and take its datagrams from there. Nothing to do for a collective that
+        cannot take a worker back (none of its peers ever returns) or that finds its peers
+        through the run's store (Moshpit's membership lists the new address)."""
+
     def neighbour_exchange(self) -> Shift | None:
         """A reliable point-to-point exchange of its own for compressors (capability
         `reliable_exchange`; gloo: isend/irecv). None: the compression layer uses `mesh`, if

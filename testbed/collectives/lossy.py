@@ -194,6 +194,11 @@ class Lossy(CollectiveBase):
             self.close()
             raise
 
+    def peer_moved(self, rank: int, host: str) -> None:
+        """A restarted peer at another address: its datagrams go there and are taken only
+        from there (the TCP mesh is not used once a peer restarted: no resync then)."""
+        self.endpoint.move_peer(rank, host)
+
     def allreduce(self, tensor: torch.Tensor, step: int) -> tuple[torch.Tensor, LossyStats]:
         """The average of `tensor` over the workers, as this worker got it: where a broadcast
         chunk was missed, its own value stands in (coverage says how much of that there is)."""

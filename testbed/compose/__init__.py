@@ -1,5 +1,6 @@
 """Docker Compose placement: `project` writes a scenario's Compose project (`testbed compose`);
-`engine` starts Docker Engines of the testbed's own and keeps the images on a disk a User-Mode
+`swarm` writes the same workers as a Docker Swarm stack (`testbed compose --swarm`); `engine`
+starts Docker Engines of the testbed's own and keeps the images on a disk a User-Mode
 Linux guest can mount; `up` runs a project end to end where netem exists (`testbed compose
 --up`: on this host, or inside the guest)."""
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -99,7 +100,9 @@ class Engine:
             time.sleep(0.2)  # dockerd offers nothing to wait on but its socket
 
     def stop(self) -> None:
-        """Stop dockerd (its containers with it) and remove its state directory."""
+        """Stop dockerd (its containers with it) and remove its state directory, with what
+        dockerd may leave mounted in it (its default network namespace, bound at
+        exec/netns/default, stayed after a swarm had run)."""
         process, self._process = self._process, None
         if process is not None:
             with contextlib.suppress(ProcessLookupError):
@@ -122,6 +125,15 @@ class Engine:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def mounts_under(directory: Path) -> list[str]:
+    """The mount points at or below `directory`, deepest first (the order to unmount them)."""
+    prefix = str(directory.resolve())
+    points = [re.sub(r"\\([0-7]{3})", lambda octal: chr(int(octal[1], 8)), line.split()[1])
+              for line in Path("/proc/self/mounts").read_text().splitlines()]
+    return sorted((p for p in points if p == prefix or p.startswith(prefix + "/")),
+                  key=len, reverse=True)
 
 
 @contextlib.contextmanager
@@ -178,11 +190,8 @@ def remove_stale() -> list[str]:
 
 def _remove(directory: Path) -> None:
     """Unmount what is mounted at or below `directory` (dockerd leaves the host's network
-    namespace bound under its exec root), deepest first, then remove it and its owner file."""
-    points = [line.split()[1] for line in Path("/proc/mounts").read_text().splitlines()]
-    below = [point for point in points
-             if point == str(directory) or point.startswith(f"{directory}/")]
-    for point in sorted(below, key=len, reverse=True):
+    namespace bound under its exec root), then remove it and its owner file."""
+    for point in mounts_under(directory):
         subprocess.run(["umount", point], capture_output=True)
     shutil.rmtree(directory, ignore_errors=True)
     _owner_file(directory).unlink(missing_ok=True)

@@ -31,7 +31,7 @@ from typing import Any
 import yaml
 
 from netem.extras import require
-from testbed.cluster.node import KEY_FILE, preempting, service_name
+from testbed.cluster.node import KEY_FILE, preempting, restarted_workers, service_name
 from testbed.cluster.relay import TARGETS_FILE
 from testbed.cluster.worker import PORTS
 from testbed.scenario import load_scenario
@@ -49,6 +49,7 @@ SCRAPE_INTERVAL = "2s"
 FILE, PROMETHEUS_CONFIG, SCENARIO_COPY = "docker-compose.yaml", "prometheus.yml", "scenario.yaml"
 MONITORING = "monitoring"  # the profile of Prometheus and Grafana
 GRAFANA_DIRS = ("provisioning", "dashboards")  # copied from grafana/ into the project
+GRAFANA_DASHBOARDS = "/var/lib/grafana/dashboards"  # where grafana/provisioning looks
 # A worker's first answer on its metrics endpoint comes after it imported torch: a minute or
 # more on a busy host; until then failed checks do not count.
 WORKER_START = "180s"
@@ -78,6 +79,58 @@ def _fetch(url: str) -> str:
     return f"import urllib.request as u; u.urlopen('{url}', timeout=3)"
 
 
+def worker_command(scenario: Scenario, rank: int, hosts: list[str], *, steps: int | None,
+                   job_files: str | None, iface: str | None = None) -> list[str]:
+    """Worker `rank`'s `testbed node` command line: the scenario's copy as mounted, every
+    worker's address or name (`hosts`), the run's length, a command job's files at /job, and
+    the interface to shape (None: the node's default, eth0)."""
+    command = ["node", f"/scenario/{SCENARIO_COPY}", "--rank", str(rank),
+               "--hosts", ",".join(hosts)]
+    if steps is not None:
+        command += ["--steps", str(steps)]
+    if job_files is not None:
+        command += ["--base-dir", "/job"]
+    if iface is not None:
+        command += ["--iface", iface]
+    return command
+
+
+def worker_labels(scenario: Scenario, rank: int) -> dict[str, str]:
+    """A worker container's labels: its scenario and rank (what `testbed clean` looks for)."""
+    return {"testbed.scenario": scenario.name, "testbed.rank": str(rank)}
+
+
+def prometheus_service() -> dict[str, Any]:
+    """Prometheus as a service of either placement: the image (overridable), the command over
+    the project's configuration, and a readiness healthcheck; the placement adds its mounts,
+    network and port."""
+    ready = f"http://127.0.0.1:{PROMETHEUS_PORT}/-/ready"
+    return {
+        "image": f"${{PROMETHEUS_IMAGE:-{PROMETHEUS_IMAGE}}}",
+        "entrypoint": ["prometheus"],
+        "command": [f"--config.file=/etc/prometheus/{PROMETHEUS_CONFIG}",
+                    "--storage.tsdb.path=/prometheus", f"--web.listen-address=:{PROMETHEUS_PORT}"],
+        "init": True,
+        # prom/prometheus has busybox's wget; the image built from Debian's package, Python
+        "healthcheck": {"test": ["CMD-SHELL", f"wget -q -O /dev/null {ready} 2>/dev/null || "
+                                 f"python3 -c \"{_fetch(ready)}\""],
+                        "interval": "2s", "timeout": "5s", "retries": 30},
+    }
+
+
+def grafana_service() -> dict[str, Any]:
+    """Grafana as a service of either placement: the image (overridable) and anonymous
+    viewing with the overview dashboard as the home page; the placement adds the
+    provisioning and dashboards, network and port."""
+    return {
+        "image": f"${{GRAFANA_IMAGE:-{GRAFANA_IMAGE}}}",
+        "environment": {"GF_AUTH_ANONYMOUS_ENABLED": "true",
+                        "GF_AUTH_ANONYMOUS_ORG_ROLE": "Viewer",
+                        "GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH":
+                            f"{GRAFANA_DASHBOARDS}/overview.json"},
+    }
+
+
 def compose_project(scenario: Scenario, *, steps: int | None = None, subnet: str = SUBNET,
                     context: str = "../../..", job_files: str | None = None) -> dict[str, Any]:
     """The Compose project (as a dict) for `scenario`, whose copy sits beside the file;
@@ -88,8 +141,7 @@ def compose_project(scenario: Scenario, *, steps: int | None = None, subnet: str
     check_scenario(scenario)
     authenticates = scenario.authenticates("compose")
     hosts = worker_addresses(scenario.count, subnet)
-    restarted = {rank for rank, events in preempting(scenario).items()
-                 if any(event.action == "restart" for event in events)}
+    restarts = restarted_workers(scenario)
     network = ipaddress.ip_network(subnet)
     build = {"context": context, "dockerfile": "compose/Dockerfile",
              "args": {"BASE_IMAGE": "${BASE_IMAGE:-python:3.11-slim-bookworm}",
@@ -99,56 +151,37 @@ def compose_project(scenario: Scenario, *, steps: int | None = None, subnet: str
               "timeout": "5s", "retries": 3, "start_period": WORKER_START}
     services: dict[str, Any] = {}
     for rank in range(scenario.count):
-        command = ["node", f"/scenario/{SCENARIO_COPY}", "--rank", str(rank),
-                   "--hosts", ",".join(hosts)]
-        if steps is not None:
-            command += ["--steps", str(steps)]
-        if job_files is not None:
-            command += ["--base-dir", "/job"]
         service: dict[str, Any] = {
             "image": WORKER_IMAGE,
             "build": build,
-            "command": command,
+            "command": worker_command(scenario, rank, hosts, steps=steps, job_files=job_files),
             "cap_add": ["NET_ADMIN"],
             "init": True,
-            "restart": "on-failure" if rank in restarted else "no",
+            "restart": "on-failure" if rank in restarts else "no",
             "stop_grace_period": "5s",
             "healthcheck": health,
             "volumes": [f"./{SCENARIO_COPY}:/scenario/{SCENARIO_COPY}:ro", "./runs:/runs",
                         *([f"{job_files}:/job:ro"] if job_files is not None else []),
                         *([f"./{KEY_COPY}:{KEY_FILE}:ro"] if authenticates else [])],
             "networks": {"testbed": {"ipv4_address": hosts[rank]}},
-            "labels": {"testbed.scenario": scenario.name, "testbed.rank": str(rank)},
+            "labels": worker_labels(scenario, rank),
         }
         if rank:  # worker 0 serves the run's store; the others wait for it there
             service["depends_on"] = {service_name(0): {"condition": "service_started"}}
         services[service_name(rank)] = service
-    ready = f"http://127.0.0.1:{PROMETHEUS_PORT}/-/ready"
     services["prometheus"] = {
-        "image": f"${{PROMETHEUS_IMAGE:-{PROMETHEUS_IMAGE}}}",
+        **prometheus_service(),
         "profiles": [MONITORING],
-        "entrypoint": ["prometheus"],
-        "command": [f"--config.file=/etc/prometheus/{PROMETHEUS_CONFIG}",
-                    "--storage.tsdb.path=/prometheus", f"--web.listen-address=:{PROMETHEUS_PORT}"],
         "volumes": [f"./{PROMETHEUS_CONFIG}:/etc/prometheus/{PROMETHEUS_CONFIG}:ro",
                     "./runs:/runs:ro", "prometheus-data:/prometheus"],
         "ports": [f"127.0.0.1:{PROMETHEUS_PORT}:{PROMETHEUS_PORT}"],
-        "init": True,
-        # prom/prometheus has busybox's wget; the image built from Debian's package, Python
-        "healthcheck": {"test": ["CMD-SHELL", f"wget -q -O /dev/null {ready} 2>/dev/null || "
-                                 f"python3 -c \"{_fetch(ready)}\""],
-                        "interval": "2s", "timeout": "5s", "retries": 30},
         "networks": {"testbed": {"ipv4_address": str(network[2])}},
     }
     services["grafana"] = {
-        "image": f"${{GRAFANA_IMAGE:-{GRAFANA_IMAGE}}}",
+        **grafana_service(),
         "profiles": [MONITORING],
-        "environment": {"GF_AUTH_ANONYMOUS_ENABLED": "true",
-                        "GF_AUTH_ANONYMOUS_ORG_ROLE": "Viewer",
-                        "GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH":
-                            "/var/lib/grafana/dashboards/overview.json"},
         "volumes": ["./grafana/provisioning:/etc/grafana/provisioning:ro",
-                    "./grafana/dashboards:/var/lib/grafana/dashboards:ro"],
+                    f"./grafana/dashboards:{GRAFANA_DASHBOARDS}:ro"],
         "ports": [f"127.0.0.1:{GRAFANA_PORT}:{GRAFANA_PORT}"],
         "depends_on": {"prometheus": {"condition": "service_healthy"}},
         "networks": {"testbed": {"ipv4_address": str(network[3])}},
@@ -179,26 +212,43 @@ def write_project(scenario_path: Path, out: Path, *, steps: int | None = None,
     """Write the project for the scenario at `scenario_path` into `out` (the compose file, the
     scenario's copy, Prometheus's config, the dashboards, `runs/`, and a new secret where it
     authenticates); returns the compose file's path. Every path in it is relative to `out`."""
+    scenario = write_files(scenario_path, out, steps=steps, root=root)
+    path = out / FILE
+    job_files = job_directory(scenario, scenario_path, out)
+    context = os.path.relpath(root.resolve(), out.resolve())
+    path.write_text(dump(compose_project(scenario, steps=steps, subnet=subnet, context=context,
+                                          job_files=job_files)))
+    return path
+
+
+def write_files(scenario_path: Path, out: Path, *, steps: int | None = None,
+                root: Path = ROOT) -> Scenario:
+    """What a project of either placement has beside its file: `runs/`, the scenario's copy,
+    Prometheus's configuration, the dashboards and their provisioning, and a new secret
+    where the scenario authenticates (any previous one removed where it does not). Returns
+    the scenario, loaded and checked for Compose."""
     scenario = load_scenario(scenario_path, steps=steps)
+    check_scenario(scenario)
     out.mkdir(parents=True, exist_ok=True)
     (out / "runs").mkdir(exist_ok=True)
     if scenario_path.resolve() != (out / SCENARIO_COPY).resolve():
         shutil.copyfile(scenario_path, out / SCENARIO_COPY)
-    (out / PROMETHEUS_CONFIG).write_text(_dump(prometheus_config()))
+    (out / PROMETHEUS_CONFIG).write_text(dump(prometheus_config()))
     for name in GRAFANA_DIRS:
         shutil.copytree(root / "grafana" / name, out / "grafana" / name, dirs_exist_ok=True)
     if scenario.authenticates("compose"):
         write_key(out / KEY_COPY)
     else:
         (out / KEY_COPY).unlink(missing_ok=True)
-    path = out / FILE
-    job_files = None
-    if scenario.command is not None:  # the user's files, where the scenario file is
-        job_files = os.path.relpath(scenario_path.resolve().parent, out.resolve())
-    context = os.path.relpath(root.resolve(), out.resolve())
-    path.write_text(_dump(compose_project(scenario, steps=steps, subnet=subnet, context=context,
-                                          job_files=job_files)))
-    return path
+    return scenario
+
+
+def job_directory(scenario: Scenario, scenario_path: Path, out: Path) -> str | None:
+    """A command job's files (the scenario file's directory), relative to the project's;
+    None for the built-in jobs."""
+    if scenario.command is None:
+        return None
+    return os.path.relpath(scenario_path.resolve().parent, out.resolve())
 
 
 def check_compose(directory: Path) -> list[str]:
@@ -237,7 +287,8 @@ class _Dumper(yaml.SafeDumper):
                 else super().generate_anchor(node))
 
 
-def _dump(data: dict[str, Any]) -> str:
+def dump(data: dict[str, Any]) -> str:
+    """YAML of a generated file, with the header that says not to edit it."""
     header = "# Generated by `testbed compose`; regenerate it rather than editing it.\n"
     return header + yaml.dump(data, Dumper=_Dumper, sort_keys=False, width=100)
 

@@ -504,6 +504,11 @@ class DatagramEndpoint:
         self._names[rank] = name
         self._sources.add(rank, name)
 
+    def move_peer(self, rank: int, host: str) -> None:
+        """`rank` came back at another address, on the same port: from now on its chunks go
+        there and its datagrams are taken only from there."""
+        self.add_peer(rank, (host, self._peers[rank][1]))
+
     def chunk_numel(self, codec: Codec = Codec.FLOAT32) -> int:
         """Elements per chunk; chunk i of a tensor holds elements i * chunk_numel onwards."""
         return self._chunk_numel[codec]

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from testbed.compose.engine import mounts_under
+
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE_WAIT = 60.0  # seconds for dockerd to answer
 PACKAGES = ("docker.io", "debootstrap")
@@ -35,15 +37,19 @@ def _install() -> None:
                        check=True, env=env, capture_output=True)
 
 
+BRIDGES = ("docker0", "docker_gwbridge")  # the default bridge; a swarm's containers' way out
+
+
 def _leftovers_of_dockerd() -> None:
-    """What a stopped dockerd leaves: its bridge, its iptables rules and chains (DOCKER*)."""
-    subprocess.run(["ip", "link", "del", "docker0"], capture_output=True)
+    """What a stopped dockerd leaves: its bridges, its iptables rules and chains (DOCKER*)."""
+    for bridge in BRIDGES:
+        subprocess.run(["ip", "link", "del", bridge], capture_output=True)
     for table in ("nat", "filter"):
         rules = subprocess.run(["iptables", "-t", table, "-S"], capture_output=True,
                                text=True).stdout.splitlines()
         for rule in rules:
             words = rule.split()
-            if words[0] == "-A" and any("DOCKER" in w or w == "docker0" for w in words[2:]):
+            if words[0] == "-A" and any("DOCKER" in w or w in BRIDGES for w in words[2:]):
                 subprocess.run(["iptables", "-t", table, "-D", *words[1:]], capture_output=True)
         chains = [rule.split()[1] for rule in rules
                   if rule.startswith("-N ") and rule.split()[1].startswith("DOCKER")]
@@ -104,4 +110,6 @@ def docker_engine() -> Iterator[None]:
                 process.wait()
             _leftovers_of_dockerd()
             _restore_host_settings(host)
+            for point in mounts_under(state):  # its default network namespace, after a swarm
+                subprocess.run(["umount", point], capture_output=True)
             shutil.rmtree(state, ignore_errors=True)

@@ -694,3 +694,25 @@ def test_fuzz_chunks_land_in_two_parts_in_any_order(numel, split, order, copies,
     assert not got.missing and got.chunks == []
     assert torch.equal(torch.cat([head, tail]), values)
     assert received == count  # the copies are replays
+
+
+def test_a_peer_that_moved_is_taken_only_from_its_new_address(raw):
+    """A restarted Swarm task comes back at another address, on the same port: after
+    `move_peer` its datagrams are taken from there, and the old address is a stranger's."""
+    port = raw.getsockname()[1]
+    with (
+        socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as moved,
+        DatagramEndpoint(1, RUN, LOOPBACK, peers={5: raw.getsockname()}) as receiver,
+    ):
+        moved.bind(("127.0.0.2", port))
+        moved.sendto(crafted(0, incarnation=1), receiver.address)  # not yet its address
+        raw.sendto(crafted(0, incarnation=1, kind=Kind.CONTROL, step=1000), receiver.address)
+        wait_for_marker(receiver)
+        receiver.move_peer(5, "127.0.0.2")
+        raw.sendto(crafted(1, incarnation=1), receiver.address)  # its old address now
+        moved.sendto(crafted(0, incarnation=2, kind=Kind.CONTROL, step=1000, bucket=1),
+                     receiver.address)
+        wait_for_marker(receiver, bucket=1)
+        rejected = receiver.socket_counters().rejected
+        assert receiver._peers[5] == ("127.0.0.2", port)
+    assert rejected == {"wrong_source": 2}

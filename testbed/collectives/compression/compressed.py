@@ -220,6 +220,9 @@ class Compressed(CollectiveBase):
     def pull_state(self) -> torch.Tensor | None:
         return self.inner.pull_state()
 
+    def peer_moved(self, rank: int, host: str) -> None:
+        self.inner.peer_moved(rank, host)
+
     @property
     def endpoint(self) -> Any:
         """The inner's datagram endpoint (lossy), for the metrics' transport counters."""
