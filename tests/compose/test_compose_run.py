@@ -296,7 +296,7 @@ def test_a_torchrun_script_runs_unmodified_as_a_compose_job(docker_engine, tmp_p
         states = _wait_for("every worker to end", lambda: _workers(project), _ended,
                            timeout=600)
     assert {code for _, code in states.values()} == {"0"}, states
-    (run,) = (tmp_path / "project" / "runs").iterdir()
+    (run,) = [path for path in (tmp_path / "project" / "runs").iterdir() if path.is_dir()]
     ends = [json.loads((run / "logs" / f"worker-{rank}.stdout").read_text().splitlines()[-1])
             for rank in range(4)]
     assert len({end["checksum"] for end in ends}) == 1, ends
