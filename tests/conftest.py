@@ -14,6 +14,7 @@ from netem.lab import Lab
 from testbed.report import describe_runs
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+_measured_key: pytest.StashKey[list[str]] = pytest.StashKey()  # lines for the run's summary
 
 
 def _missing(marker: str) -> str | None:
@@ -56,6 +57,22 @@ def make_lab() -> Iterator[Callable[..., Lab]]:
     yield build
     for lab in labs:
         lab.close()
+
+
+@pytest.fixture
+def measured(request: pytest.FixtureRequest) -> Callable[[str], None]:
+    """Record what a test measured on the wire: the session's summary prints it, passed or not,
+    so a tier's output shows the figures its assertions were made on."""
+    lines = request.config.stash.setdefault(_measured_key, [])
+    return lambda line: lines.append(f"{request.node.nodeid}: {line}")
+
+
+def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
+    lines = config.stash.get(_measured_key, [])
+    if lines:
+        terminalreporter.section("measured on the wire")
+        for line in lines:
+            terminalreporter.write_line(line)
 
 
 @pytest.hookimpl(wrapper=True)

@@ -25,7 +25,8 @@ pytestmark = pytest.mark.compose
 MEASURED = ("loss", "delay mean", "jitter (stdev)")
 
 
-def test_the_quickstart_runs_in_the_guest_with_real_netem(docker_engine, tmp_path: Path):
+def test_the_quickstart_runs_in_the_guest_with_real_netem(docker_engine, tmp_path: Path,
+                                                          measured):
     project = tmp_path / "project"
     result = subprocess.run(
         [sys.executable, "-m", "testbed.cli", "compose", "quickstart", "-o", str(project),
@@ -46,6 +47,9 @@ def test_the_quickstart_runs_in_the_guest_with_real_netem(docker_engine, tmp_pat
         assert set(peers.values()) == {"delay=5ms loss=1%"}, shaped
 
     checks = {check["quantity"]: check for check in report["measured"]["checks"]}
+    for quantity in MEASURED:
+        measured(f"link {report['measured']['link']} in the guest: {quantity}: "
+                 f"{checks[quantity]['shown']}, passed {checks[quantity]['passed']}")
     for quantity in MEASURED:
         assert checks[quantity]["passed"] is True, checks[quantity]
     assert checks["delay mean"]["configured"] == pytest.approx(0.005)

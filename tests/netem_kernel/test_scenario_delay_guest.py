@@ -27,31 +27,35 @@ INTERVAL = 0.03  # seconds between probes: more than the WAN's jitter can reorde
 RELATIVE = 0.05
 
 
-def median_delay(network, src: int, dst: int) -> float:
-    measured = network.measure(src, dst, count=COUNT, interval=INTERVAL, rate=False,
-                               timeout=COUNT * INTERVAL + 10)
-    print(measured)
-    assert measured.result.received >= COUNT // 2, measured
-    return measured.result.delay_percentiles[50]
+def median_delay(network, src: int, dst: int, measured) -> float:
+    """The median one-way delay from worker src to dst, recorded for the tier's summary."""
+    probed = network.measure(src, dst, count=COUNT, interval=INTERVAL, rate=False,
+                             timeout=COUNT * INTERVAL + 10)
+    assert probed.result.received >= COUNT // 2, probed
+    median = probed.result.delay_percentiles[50]
+    measured(f"two-regions {src}->{dst}: median delay {median * 1e3:.3f} ms "
+             f"({probed.result.received}/{probed.result.sent} probes)")
+    return median
 
 
-def test_two_regions_delay_is_what_the_scenario_says_and_follows_a_change(make_netem_network):
+def test_two_regions_delay_is_what_the_scenario_says_and_follows_a_change(make_netem_network,
+                                                                           measured):
     network = make_netem_network(scenario="two-regions")
     assert network.backend == "netem"
     east, west, east_peer = 0, 4, 1
 
-    wan = median_delay(network, east, west)
+    wan = median_delay(network, east, west, measured)
     assert abs(wan - 0.040) <= RELATIVE * 0.040, f"east->west median {wan * 1e3:.2f} ms, not 40"
-    back = median_delay(network, west, east)
+    back = median_delay(network, west, east, measured)
     assert abs(back - 0.040) <= RELATIVE * 0.040, f"west->east median {back * 1e3:.2f} ms, not 40"
     # Inside a region 1 ms, no jitter: 5% of it (50 us) is below what the guest's timers resolve,
     # so the floor applies; never less than the configured delay.
-    lan = median_delay(network, east, east_peer)
+    lan = median_delay(network, east, east_peer, measured)
     assert 0.001 <= lan <= 0.001 + GUEST_TIMING_FLOOR, f"east->east median {lan * 1e3:.2f} ms"
 
     network.set_link(east, west, delay="80ms", jitter="8ms", distribution="normal", loss="2%",
                      rate="100mbit")
-    moved = median_delay(network, east, west)
+    moved = median_delay(network, east, west, measured)
     assert abs(moved - 0.080) <= RELATIVE * 0.080, f"after the change {moved * 1e3:.2f} ms, not 80"
-    assert abs(median_delay(network, west, east) - 0.040) <= RELATIVE * 0.040, \
+    assert abs(median_delay(network, west, east, measured) - 0.040) <= RELATIVE * 0.040, \
         "the change of east->west moved west->east too"
