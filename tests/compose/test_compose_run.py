@@ -10,22 +10,20 @@ import contextlib
 import json
 import os
 import subprocess
-import time
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TypeVar
 
 import pytest
 import yaml
+from live import promql, wait_for
 from typer.testing import CliRunner
 
 from testbed.cli import app
 from testbed.compose import PROMETHEUS_PORT, write_project
 
 pytestmark = pytest.mark.compose
-T = TypeVar("T")
 
 SCENARIO = """\
 name: compose-tier
@@ -55,18 +53,6 @@ def _compose(project: Path, *args: str, check: bool = True) -> subprocess.Comple
     if check and result.returncode != 0:
         raise AssertionError(f"docker compose {' '.join(args)}: {result.stderr[-3000:]}")
     return result
-
-
-def _query(expr: str) -> dict[str, float]:
-    """An instant PromQL query: {labels as 'k=v,...': value}."""
-    url = (f"http://127.0.0.1:{PROMETHEUS_PORT}/api/v1/query?"
-           + urllib.parse.urlencode({"query": expr}))
-    with urllib.request.urlopen(url, timeout=5) as response:
-        body = json.load(response)
-    assert body["status"] == "success", body
-    return {",".join(f"{k}={v}" for k, v in sorted(item["metric"].items())
-                     if k not in ("__name__", "instance", "job")): float(item["value"][1])
-            for item in body["data"]["result"]}
 
 
 def _workers(project: Path) -> dict[str, tuple[str, str]]:
@@ -119,49 +105,31 @@ def _running(project: Path, *services: str) -> Iterator[None]:
                  check=False)
 
 
-def _wait_for(what: str, read: Callable[[], T], ready: Callable[[T], bool],
-              timeout: float = LIVE_WAIT) -> T:
-    """`read()` until `ready` says its value will do; fails naming the last value read."""
-    deadline = time.monotonic() + timeout
-    last: object = None
-    while time.monotonic() < deadline:
-        try:
-            value = read()
-        except OSError as error:  # Prometheus not listening yet
-            last = error
-        else:
-            if ready(value):
-                return value
-            last = value
-        time.sleep(1.0)  # Prometheus scrapes every 2 s: nothing to wait on but its API
-    raise AssertionError(f"{what}: not within {timeout:g} s (last: {last!r})")
-
-
 def test_a_compose_run_is_shaped_scraped_live_and_leaves_nothing(docker_engine, tmp_path):
     scenario = tmp_path / "scenario.yaml"
     scenario.write_text(SCENARIO)
     project = write_project(scenario, tmp_path / "project")
     name = "testbed-compose-tier"
     with _running(project, *SERVICES):
-        steps = _wait_for("every worker past step 40 in Prometheus",
-                          lambda: _query("testbed_step"),
-                          lambda found: len(found) == 3 and min(found.values()) > 40)
+        steps = wait_for("every worker past step 40 in Prometheus",
+                         lambda: promql("testbed_step"),
+                         lambda found: len(found) == 3 and min(found.values()) > 40, LIVE_WAIT)
         assert {key.split("rank=")[1].split(",")[0] for key in steps} == {"0", "1", "2"}
         # Worker 0 listed this run's targets: one `run` label, its run directory's name.
         run_labels = {key.split("run=")[1].split(",")[0] for key in steps}
         assert len(run_labels) == 1, steps
         # Every container's healthcheck passes while the run is live (the workers' metrics
         # endpoints, Prometheus ready).
-        _wait_for("every service healthy", lambda: _health(project),
-                  lambda health: len(health) == 4 and set(health.values()) == {"healthy"},
-                  timeout=60)
+        wait_for("every service healthy", lambda: _health(project),
+                 lambda health: len(health) == 4 and set(health.values()) == {"healthy"},
+                 timeout=60)
 
         # The link 0->1 was set to 40% loss at step 10, in worker 1's container only: its
         # gauge says so (the others keep 1%), and the sequence numbers show the loss there.
-        configured = _query('sum by (rank, peer) (testbed_link_loss_ratio{direction="in"})')
+        configured = promql('sum by (rank, peer) (testbed_link_loss_ratio{direction="in"})')
         assert configured.pop("peer=0,rank=1") == pytest.approx(0.4), configured
         assert len(configured) == 5 and set(configured.values()) == {0.01}, configured
-        lost = _query("sum by (rank, peer) (testbed_datagrams_lost_total)")
+        lost = promql("sum by (rank, peer) (testbed_datagrams_lost_total)")
         into_1 = lost.get("peer=0,rank=1", 0.0)
         others = {key: value for key, value in lost.items() if key != "peer=0,rank=1"}
         assert into_1 > 20, lost
@@ -169,26 +137,26 @@ def test_a_compose_run_is_shaped_scraped_live_and_leaves_nothing(docker_engine, 
         # The workers stay in step: few datagrams come after their call closed (a worker
         # descheduled mid-stream on a loaded host makes some; workers drifting apart in step
         # made 44% of them late).
-        late = sum(_query("sum(testbed_datagrams_late_total)").values())
-        received = sum(_query("sum(testbed_datagrams_received_total)").values())
+        late = sum(promql("sum(testbed_datagrams_late_total)").values())
+        received = sum(promql("sum(testbed_datagrams_received_total)").values())
         assert late < 0.1 * received, (late, received)
-        profile = _query('testbed_link_profile_info{rank="1"}')
+        profile = promql('testbed_link_profile_info{rank="1"}')
         assert profile, "worker 1 exports no link profile"
 
-        drift = _wait_for("a drift measurement on every worker",
-                          lambda: _query("testbed_parameter_drift_ratio"),
-                          lambda found: len(found) == 3)
+        drift = wait_for("a drift measurement on every worker",
+                         lambda: promql("testbed_parameter_drift_ratio"),
+                         lambda found: len(found) == 3, LIVE_WAIT)
         assert all(0.0 <= value < 1.0 for value in drift.values()), drift
         assert max(drift.values()) > 0.0, "a lossy all-reduce at 40% loss left no drift"
 
         # Worker 2 computes 20 ms longer per step: the others wait for it.
-        waits = _query("rate(testbed_straggler_wait_seconds_sum[1m]) "
+        waits = promql("rate(testbed_straggler_wait_seconds_sum[1m]) "
                        "/ rate(testbed_straggler_wait_seconds_count[1m])")
         by_rank = {key.split("rank=")[1].split(",")[0]: value for key, value in waits.items()}
         assert by_rank["0"] > 0.010 and by_rank["1"] > 0.010, waits
         assert by_rank["2"] < by_rank["0"], waits
 
-        retransmits = _query("testbed_netns_tcp_retransmitted_segments_total")
+        retransmits = promql("testbed_netns_tcp_retransmitted_segments_total")
         assert len(retransmits) == 3, retransmits
         # Worker 0 serves the run's store; its replies to worker 1 cross the 40% link, each
         # drift exchange (every 5 steps) several segments: by step 40, 30 or more segments went
@@ -202,8 +170,8 @@ def test_a_compose_run_is_shaped_scraped_live_and_leaves_nothing(docker_engine, 
         assert f"left running: Compose project {name}" in cleaned.output, cleaned.output
         assert len(_workers(project)) == 3
 
-        states = _wait_for("every worker to end", lambda: _workers(project), _ended,
-                           timeout=600)
+        states = wait_for("every worker to end", lambda: _workers(project), _ended,
+                          timeout=600)
         assert {code for _, code in states.values()} == {"0"}, states
         # Worker 2 was preempted at step 80 (SIGKILL: its container exited 137), brought back
         # by the restart policy, and rejoined once the others had passed step 110.
@@ -261,8 +229,8 @@ def test_the_quickstart_needs_netem_and_says_so_where_the_kernel_lacks_it(docker
     project = write_project(quickstart, tmp_path / "project", steps=5)
     workers = [f"worker-{rank}" for rank in range(4)]
     with _running(project, *workers):
-        states = _wait_for("every worker to end", lambda: _workers(project), _ended,
-                           timeout=300)
+        states = wait_for("every worker to end", lambda: _workers(project), _ended,
+                          timeout=300)
         logs = _compose(project, "logs", *workers).stdout
         # Every worker has ended: `testbed clean` removes what is left of the project.
         cleaned = CliRunner().invoke(app, ["clean"])
@@ -293,8 +261,8 @@ def test_a_torchrun_script_runs_unmodified_as_a_compose_job(docker_engine, tmp_p
         scenario.unlink()
     workers = [f"worker-{rank}" for rank in range(4)]
     with _running(project, *workers):
-        states = _wait_for("every worker to end", lambda: _workers(project), _ended,
-                           timeout=600)
+        states = wait_for("every worker to end", lambda: _workers(project), _ended,
+                          timeout=600)
     assert {code for _, code in states.values()} == {"0"}, states
     (run,) = [path for path in (tmp_path / "project" / "runs").iterdir() if path.is_dir()]
     ends = [json.loads((run / "logs" / f"worker-{rank}.stdout").read_text().splitlines()[-1])

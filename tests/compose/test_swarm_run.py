@@ -16,21 +16,18 @@ import json
 import os
 import subprocess
 import time
-import urllib.parse
-import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 import yaml
+from live import promql, wait_for
 
-from testbed.compose import PROMETHEUS_PORT
 from testbed.compose.swarm import node_labels, write_stack
 from testbed.scenario import find_scenario, load_scenario, scenario_files
 
 pytestmark = pytest.mark.compose
-T = TypeVar("T")
 
 STACK = "testbed-swarm-tier"
 STEPS = 120
@@ -106,36 +103,6 @@ def _states() -> dict[str, list[tuple[str, str, int | None, str]]]:
     return found
 
 
-def _query(expr: str) -> dict[str, float]:
-    """An instant PromQL query through the port the stack publishes on this node."""
-    url = (f"http://127.0.0.1:{PROMETHEUS_PORT}/api/v1/query?"
-           + urllib.parse.urlencode({"query": expr}))
-    with urllib.request.urlopen(url, timeout=5) as response:
-        body = json.load(response)
-    assert body["status"] == "success", body
-    return {",".join(f"{k}={v}" for k, v in sorted(item["metric"].items())
-                     if k not in ("__name__", "instance", "job")): float(item["value"][1])
-            for item in body["data"]["result"]}
-
-
-def _wait_for(what: str, read: Callable[[], T], ready: Callable[[T], bool],
-              timeout: float) -> T:
-    """`read()` until `ready` says its value will do; fails naming the last value read."""
-    deadline = time.monotonic() + timeout
-    last: object = None
-    while time.monotonic() < deadline:
-        try:
-            value = read()
-        except OSError as error:  # Prometheus not listening yet
-            last = error
-        else:
-            if ready(value):
-                return value
-            last = value
-        time.sleep(1.0)  # tasks and scrapes offer nothing to wait on but polling
-    raise AssertionError(f"{what}: not within {timeout:g} s (last: {last!r})")
-
-
 def _left() -> dict[str, list[str]]:
     """What of the stack the engine still has."""
     label = f"label=com.docker.stack.namespace={STACK}"
@@ -171,8 +138,8 @@ def _deployed(*files: Path) -> Iterator[None]:
         raise
     finally:
         _docker("stack", "rm", STACK, check=False)
-        _wait_for("docker stack rm to leave nothing", _left,
-                  lambda left: not any(left.values()), GONE_WAIT)
+        wait_for("docker stack rm to leave nothing", _left,
+                 lambda left: not any(left.values()), GONE_WAIT)
 
 
 def test_a_stack_on_a_single_node_swarm_runs_to_its_end_and_leaves_nothing(swarm, tmp_path):
@@ -187,22 +154,22 @@ def test_a_stack_on_a_single_node_swarm_runs_to_its_end_and_leaves_nothing(swarm
     started = time.monotonic()
     try:
         with _deployed(stack, monitoring):
-            steps = _wait_for("every worker past step 20 in Prometheus",
-                              lambda: _query("testbed_step"),
-                              lambda found: len(found) == 4 and min(found.values()) > 20,
-                              LIVE_WAIT)
+            steps = wait_for("every worker past step 20 in Prometheus",
+                             lambda: promql("testbed_step"),
+                             lambda found: len(found) == 4 and min(found.values()) > 20,
+                             LIVE_WAIT)
             run_labels = {key.split("run=")[1].split(",")[0] for key in steps}
             assert len(run_labels) == 1, steps
             # The link 0->1 was set to 40% at step 10 by worker 1's own timeline, over the
             # overlay: its gauge says so, the other links keep 1%.
-            configured = _query('sum by (rank, peer) (testbed_link_loss_ratio'
-                                '{direction="in"})')
+            configured = promql('sum by (rank, peer) (testbed_link_loss_ratio'
+                               '{direction="in"})')
             assert configured.pop("peer=0,rank=1") == pytest.approx(0.4), configured
             assert len(configured) == 11 and set(configured.values()) == {0.01}, configured
-            (run_dir,) = _wait_for("the run's summary", lambda: list(
+            (run_dir,) = wait_for("the run's summary", lambda: list(
                 (directory / "runs").glob("*/summary.json")), lambda found: len(found) == 1,
                 END_WAIT)
-            states = _wait_for(
+            states = wait_for(
                 "every worker's last task ended",
                 _states, lambda found: all(
                     found.get(f"worker-{r}") and found[f"worker-{r}"][-1][0] in (
