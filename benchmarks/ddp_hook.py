@@ -51,6 +51,7 @@ class Model:
     name: str
     hidden: int
     steps: int
+    lr: float  # SGD's step size: the 10M model's width diverges at the small one's 0.1
     timeout: float  # seconds for the run, start-up included
 
     @property
@@ -59,8 +60,8 @@ class Model:
 
 
 MODELS = {
-    "small": Model("small", hidden=2325, steps=60, timeout=240.0),
-    "large": Model("large", hidden=232_558, steps=10, timeout=420.0),
+    "small": Model("small", hidden=2325, steps=60, lr=0.1, timeout=240.0),
+    "large": Model("large", hidden=232_558, steps=10, lr=0.001, timeout=420.0),
 }
 QUICK_STEPS = {"small": 12, "large": 4}
 WARMUP = 2  # steps left out of the mean: DDP rebuilds its buckets after the first
@@ -104,7 +105,8 @@ class Cell:
         return {
             "name": f"ddp-hook-{self.name}", "workers": WORLD, "topology": topology,
             "job": {"command": ["python", script, "--steps", str(steps),
-                                "--hidden", str(self.model.hidden)],
+                                "--hidden", str(self.model.hidden),
+                                "--lr", str(self.model.lr)],
                     "cwd": str(EXAMPLE)},
             "collective": collective,
         }
@@ -220,7 +222,7 @@ def observations(outcomes: list[Outcome]) -> list[str]:
 def report(outcomes: list[Outcome], command: str, started: datetime.datetime, elapsed: float,
            steps: dict[str, int], note: str = "") -> str:
     models = ", ".join(f"{m.name}: `--hidden {m.hidden}`, {m.parameters:,} parameters, "
-                       f"{steps[m.name]} steps" for m in MODELS.values() if m.name in steps)
+                       f"SGD lr {m.lr:g}, {steps[m.name]} steps" for m in MODELS.values() if m.name in steps)
     return "\n".join([
         "# A user's DDP script: plain gloo DDP against the testbed's collectives as its hook",
         "",
@@ -233,7 +235,7 @@ def report(outcomes: list[Outcome], command: str, started: datetime.datetime, el
         "namespaces' default) or `examples/ddp/train_lossy.py` (the same script with "
         "`register_comm_hook(state=None, hook=scenario_hook())`: the scenario's collective "
         "moves the gradients, gloo only DDP's bookkeeping). Models: a 2-layer MLP on a "
-        f"synthetic task, batch 64 per worker, SGD lr 0.1; {models}. Networks: `clean` is "
+        f"synthetic task, batch 64 per worker; {models}. Networks: `clean` is "
         "unshaped; `100mbit` is htb at 100 Mbit/s on every host's downlink, `-1%`/`-10%` add "
         "nftables random drop on every receiver (this kernel has no sch_netem). Ways: `plain`, "
         "`ring` (the ring hook over TCP), `lossy` (paced at 100 Mbit/s where the links have a "

@@ -41,6 +41,8 @@ def main(comm_hook=None) -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--lr", type=float, default=0.1,
+                        help="SGD's step size; wide models need a smaller one")
     args = parser.parse_args()
 
     dist.init_process_group("gloo")  # RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from torchrun
@@ -52,7 +54,7 @@ def main(comm_hook=None) -> None:
     model = DistributedDataParallel(net)
     if comm_hook is not None:  # a communication hook of the caller's: DDP's own extension point
         model.register_comm_hook(state=None, hook=comm_hook())
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
     loss_fn = nn.CrossEntropyLoss()
     started = time.monotonic()
     for step, (x, y) in enumerate(batches(rank, args.steps, args.batch, features, classes)):

@@ -115,6 +115,7 @@ class Lossy(CollectiveBase):
         stream_addresses: Sequence[tuple[str, int]] | None = None,
         congestion: str | None = None,
         timeout: float = 30.0,
+        rendezvous_timeout: float = 300.0,
         endpoint: DatagramEndpoint | None = None,
         listener: Listener | None = None,
         test_loss: SeededLoss | None = None,
@@ -127,7 +128,9 @@ class Lossy(CollectiveBase):
         `settle` (seconds) ends a phase once every sender's stream has ended and nothing came
         for that long (the rest was lost; None waits to the deadline). The workers meet over
         TCP at `stream_addresses` (default: `addresses`; TCP ports are apart from UDP's), with
-        `congestion` control and `timeout` per message, before the first datagram; with
+        `congestion` control and `timeout` per message, before the first datagram, waiting up to
+        `rendezvous_timeout` for all of them (ranks may arrive minutes apart: a DDP script
+        broadcasts its model first); with
         `resync_every` N > 0, every step whose number + 1 is a multiple of N broadcasts there.
         `endpoint` and `listener`, if given, are this rank's already bound sockets (then they
         are at `addresses[rank]` and `stream_addresses[rank]`) and are closed with this object.
@@ -187,7 +190,7 @@ class Lossy(CollectiveBase):
                 self._listener = listener or Listener(tuple(stream_addresses[rank]),
                                                       congestion=congestion, key=key)
                 self._mesh = StreamMesh.open(rank, self._listener, dict(enumerate(
-                    stream_addresses)), run_id=run_id, timeout=timeout)
+                    stream_addresses)), run_id=run_id, timeout=rendezvous_timeout)
             if resync_every:
                 self._sender = ThreadPoolExecutor(1, thread_name_prefix=f"lossy-{rank}-send")
         except BaseException:

@@ -122,10 +122,13 @@ def with_capability(flag: str) -> list[str]:
 # --- the collectives ----------------------------------------------------------------------------
 
 TIMEOUT_HELP = "Seconds a send or receive may take before the call fails."
+RENDEZVOUS_HELP = ("Seconds every rank has to meet the others at the start (ranks may arrive "
+                   "that far apart: a DDP script broadcasts its model before its hook meets).")
 
 
 class RingOptions(CollectiveOptions):
     timeout: float = Field(default=30.0, gt=0, description=TIMEOUT_HELP)
+    rendezvous_timeout: float = Field(default=300.0, gt=0, description=RENDEZVOUS_HELP)
 
 
 class GlooOptions(CollectiveOptions):
@@ -142,8 +145,7 @@ class MoshpitOptions(CollectiveOptions):
                              "life in the membership.")
     expiry: float | None = Field(default=None, gt=0, description="Seconds of silence after "
                                  "which a peer counts as gone (default: four heartbeats).")
-    rendezvous_timeout: float = Field(default=60.0, gt=0, description="Seconds every rank has "
-                                      "to register at the start.")
+    rendezvous_timeout: float = Field(default=60.0, gt=0, description=RENDEZVOUS_HELP)
 
 
 class LossyOptions(CollectiveOptions):
@@ -167,6 +169,7 @@ class LossyOptions(CollectiveOptions):
     resync_every: int = Field(default=0, ge=0, description="Every N steps the broadcast goes "
                               "reliably over TCP, so every copy is exact again (0: never).")
     timeout: float = Field(default=30.0, gt=0, description=TIMEOUT_HELP)
+    rendezvous_timeout: float = Field(default=300.0, gt=0, description=RENDEZVOUS_HELP)
 
     def rejoin_problem(self, compressor: str) -> str | None:
         if self.resync_every:

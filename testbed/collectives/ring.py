@@ -31,11 +31,14 @@ class Ring(CollectiveBase):
         addresses: Sequence[tuple[str, int]],
         run_id: int = 0,
         timeout: float = 30.0,
+        rendezvous_timeout: float = 300.0,
         congestion: str | None = None,
         listener: Listener | None = None,
         key: bytes | None = None,
     ) -> None:
-        """`listener`, if given, is this rank's already bound socket (then `addresses[rank]` is
+        """`timeout` bounds each send and receive; `rendezvous_timeout` the meeting at the
+        start, where ranks may arrive minutes apart (a DDP script broadcasts its model first).
+        `listener`, if given, is this rank's already bound socket (then `addresses[rank]` is
         its address, and it carries its own key): binding first lets port 0 pick free ports
         before the addresses are shared. With `key` (the run's), every connection proves it."""
         if not 0 <= rank < world:
@@ -51,7 +54,7 @@ class Ring(CollectiveBase):
             peers = {self.left, self.right} - {rank}
             self._mesh = StreamMesh.open(
                 rank, self._listener, dict(enumerate(addresses)), run_id=run_id, peers=peers,
-                timeout=timeout,
+                timeout=rendezvous_timeout,
             )
         except BaseException:
             self._listener.close()
