@@ -61,7 +61,7 @@ class Model:
 
 MODELS = {
     "small": Model("small", hidden=2325, steps=60, lr=0.1, timeout=240.0),
-    "large": Model("large", hidden=232_558, steps=10, lr=0.001, timeout=420.0),
+    "large": Model("large", hidden=232_558, steps=10, lr=0.001, timeout=480.0),
 }
 QUICK_STEPS = {"small": 12, "large": 4}
 WARMUP = 2  # steps left out of the mean: DDP rebuilds its buckets after the first

@@ -105,7 +105,7 @@ class Lossy(CollectiveBase):
         run_id: int = 0,
         mtu: int = 1500,
         rate: float | None = None,
-        rcvbuf: int = 8 << 20,
+        rcvbuf: int = 32 << 20,
         deadline_initial: float = 1.0,
         deadline_floor: float = 0.02,
         deadline_ceiling: float = 5.0,
