@@ -82,9 +82,14 @@ class LossyStats(AllReduceStats):
     time. Per peer, both phases: `missing` chunks that had not come by the deadline (lost,
     late, malformed or discarded by a test loss model), `late` datagrams that came after their
     call had closed (the deadline was too short), `lost` datagrams that the peer's sequence
-    numbers say never came (the transport's count, whatever dropped them)."""
+    numbers say never came (the transport's count, whatever dropped them). Per chunk, which
+    came in time: `gathered[peer]`, of the peer's contribution to this worker's own shard;
+    `received[owner]`, of the owner's broadcast (its shard's chunks, then those carrying the
+    counts): the records a result can be rebuilt from exactly."""
 
     chunk_coverage: torch.Tensor = field(default_factory=lambda: torch.ones(1))
+    gathered: dict[int, np.ndarray] = field(default_factory=dict)
+    received: dict[int, np.ndarray] = field(default_factory=dict)
     missing: dict[int, int] = field(default_factory=dict)
     late: dict[int, int] = field(default_factory=dict)
     lost: dict[int, int] = field(default_factory=dict)
@@ -276,7 +281,7 @@ class Lossy(CollectiveBase):
             gather_deadline = self.gather_deadline.seconds
             gather_arrived = self._collect(Kind.GRADIENT, step, bucket, gather_keep, started,
                                            gather_deadline, self.gather_deadline)
-            gathered = time.monotonic()
+            gather_ended = time.monotonic()
             own = result[mine]
             if update is None:
                 accumulator.mean(out=own)
@@ -335,7 +340,7 @@ class Lossy(CollectiveBase):
             coverage=elements / (self.world * max(1, contribution.numel())),
             peers_missing=absent,
             extra={
-                "gather_seconds": gathered - started,
+                "gather_seconds": gather_ended - started,
                 "broadcast_seconds": broadcast - broadcasting,
                 "deadline_seconds": gather_deadline,
                 "broadcast_deadline_seconds": broadcast_deadline,
@@ -349,7 +354,7 @@ class Lossy(CollectiveBase):
                 "resync": float(reliable),
                 "peers_absent": float(len(self._absent)),
             },
-            chunk_coverage=own_coverage,
+            chunk_coverage=own_coverage, gathered=gather_arrived, received=broadcast_arrived,
             missing=missing, late=late, lost=lost,
         )
 
