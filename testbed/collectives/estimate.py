@@ -73,18 +73,25 @@ class ChunkAccumulator:
         return self.weight.clone()
 
     def mean(self, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Per-chunk weighted mean of what arrived; chunks nobody sent stay zero. Divides chunk
-        by chunk in place of a per-element divisor, into `out` (contiguous, `numel` long; it
-        may be `total` itself) or a new tensor."""
-        weight = self.weight.clamp_min(1e-12).to(self.total.dtype)
-        whole = self.numel // self.chunk_numel  # chunks of full length; one shorter may follow
-        split = whole * self.chunk_numel
+        """Per-chunk weighted mean of what arrived; chunks nobody sent stay zero. Into `out`
+        (contiguous, `numel` long; it may be `total` itself) or a new tensor."""
         out = torch.empty_like(self.total) if out is None else out
-        torch.div(self.total[:split].view(whole, self.chunk_numel), weight[:whole, None],
-                  out=out[:split].view(whole, self.chunk_numel))
-        if split < self.numel:
-            torch.div(self.total[split:], weight[whole], out=out[split:])
-        return out
+        return divide_by_chunk(self.total, self.weight.clamp_min(1e-12), self.chunk_numel, out)
+
+
+def divide_by_chunk(values: torch.Tensor, divisor: torch.Tensor, chunk_numel: int,
+                    out: torch.Tensor) -> torch.Tensor:
+    """`values` (flat, contiguous) divided chunk by chunk: element i by divisor[i //
+    chunk_numel], into `out` (may be `values` itself), without a per-element divisor."""
+    divisor = divisor.to(values.dtype)
+    numel = values.numel()
+    whole = numel // chunk_numel  # chunks of full length; one shorter may follow
+    split = whole * chunk_numel
+    torch.div(values[:split].view(whole, chunk_numel), divisor[:whole, None],
+              out=out[:split].view(whole, chunk_numel))
+    if split < numel:
+        torch.div(values[split:], divisor[whole], out=out[split:])
+    return out
 
 
 @dataclass

@@ -136,8 +136,9 @@ class GlooOptions(CollectiveOptions):
 class MoshpitOptions(CollectiveOptions):
     group_size: int = Field(default=4, ge=1, description="Peers per group: the virtual grid's "
                             "side.")
-    timeout: float = Field(default=5.0, gt=0, description="Seconds each phase of a round waits "
-                           "for a peer before leaving it out.")
+    timeout: float = Field(default=5.0, gt=0, description="Seconds a call may take (it "
+                           "returns within this plus 0.25 s): peers not there in time are "
+                           "left out. At least twice what a call takes when nothing fails.")
     heartbeat: float = Field(default=1.0, gt=0, description="Seconds between a peer's signs of "
                              "life in the membership.")
     expiry: float | None = Field(default=None, gt=0, description="Seconds of silence after "
