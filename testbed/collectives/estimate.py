@@ -137,3 +137,31 @@ class AdaptiveDeadline:
         """
         late = max(last_arrival, self.seconds * self.margin)
         self.history.append(late if late_chunks else last_arrival)
+
+
+@dataclass
+class AdaptiveSettle:
+    """How long a phase waits in quiet once every sender's stream ended, before it takes
+    what is missing for lost (`collect(settle=)`), learned from what came late. A chunk that
+    comes after its phase closed was not lost but cut off: a call that saw such late
+    datagrams doubles the wait (up to `ceiling`, where it starts); each call without shortens
+    it by `shrink` (down to `floor`). On links that keep a stream in order nothing is late,
+    and the wait falls to the floor: under loss a phase then ends about as soon as its data
+    stops coming."""
+
+    floor: float = 0.001
+    ceiling: float = 0.01
+    shrink: float = 0.8
+    seconds: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.floor <= self.ceiling or not 0 < self.shrink < 1:
+            raise ValueError("settle: needs 0 < floor <= ceiling and 0 < shrink < 1")
+        self.seconds = self.ceiling
+
+    def observe(self, late_chunks: int) -> None:
+        """Record a call: how many of this phase's datagrams came after their call closed."""
+        if late_chunks:
+            self.seconds = min(self.ceiling, 2 * self.seconds)
+        else:
+            self.seconds = max(self.floor, self.shrink * self.seconds)

@@ -707,6 +707,9 @@ class Scenario(_Model):
             yield (("collective", "compressor", "kind"), f"{compressor} needs a collective with a "
                    f"reliable neighbour exchange ({offered}); over {self.collective.kind} use "
                    "randk, powersgd or none")
+        mismatch = self.collective.strategy_problem(self.job.strategy)
+        if mismatch is not None:
+            yield ("collective", mismatch[0]), mismatch[1]
         if "seed" in self.job.model_fields_set:
             yield ("job", "seed"), "set seed at the top level of the scenario"
 

@@ -204,6 +204,22 @@ class Landing:
             offset += target.size
         self.numel = offset
 
+    def read(self, index: np.ndarray) -> np.ndarray:
+        """Chunks `index` as they stand now, as rows of same-size integers ((k, chunk_numel));
+        what lies past the last part reads as zeros. The inverse of `land`."""
+        n = self._n
+        rows = np.zeros((len(index), n), dtype=self._parts[0][0].dtype if self._parts
+                        else np.int32)
+        for target, offset, first, end, grid, edges in self._parts:
+            inside = (index >= first) & (index < end)
+            if inside.any():
+                rows[inside] = grid[index[inside] - first]
+            for edge in edges:
+                for row in np.flatnonzero(index == edge).tolist():
+                    lo, hi = max(edge * n, offset), min((edge + 1) * n, offset + target.size)
+                    rows[row, lo - edge * n:hi - edge * n] = target[lo - offset:hi - offset]
+        return rows
+
     def land(self, index: np.ndarray, payload: np.ndarray) -> None:
         n = self._n
         for target, offset, first, end, grid, edges in self._parts:
