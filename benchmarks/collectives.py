@@ -44,6 +44,7 @@ RESULTS = REPO / "benchmarks" / "results" / "collectives.md"
 GRID_RESULTS = REPO / "benchmarks" / "results" / "collectives-moshpit-grid.md"
 WORLD = 4
 GRID_WORLDS = (8, 16)  # --grid: Moshpit's peers, in groups of GRID_GROUP
+GRID_KINDS = ("moshpit", "ring")  # --grid: the ring shows what TCP reaches on the same links
 GRID_GROUP = 4
 GRID_RATE = 100e6  # --grid: every peer's downlink and uplink
 SIZES = {"1M": 1_000_000, "10M": 10_000_000, "100M": 100_000_000}
@@ -526,12 +527,13 @@ def plan(quick: bool, kinds: Sequence[str] = KINDS, sizes: Sequence[str] | None 
     """(rate, loss, cells) per lab, in the order they run: smaller before larger, so a
     collective that timed out need not be tried where it can only be slower. `sizes`, `rates`
     (names, "unshaped" among them) and `losses` keep only the cells they name. With `grid`
-    (worlds), only Moshpit's grid cells: one lab per world."""
+    (worlds), only the grid cells of `kinds` (Moshpit, and the ring as a reference over the
+    same links): one lab per world."""
     groups: list[tuple[float | None, float, list[Cell]]] = []
     if grid:
         numels = [SIZES["1M"], SIZES["10M"]]
-        groups += [(grid_rate, 0.0, [Cell("moshpit", n, grid_rate, 0.0, quick, world, True)
-                                     for n in numels]) for world in grid]
+        groups += [(grid_rate, 0.0, [Cell(k, n, grid_rate, 0.0, quick, world, True)
+                                     for n in numels for k in kinds]) for world in grid]
     elif quick:
         numels = [SIZES["1M"], SIZES["10M"]]
         groups.append((None, 0.0, [Cell(k, n, None, 0.0, True) for n in numels for k in kinds]))
@@ -840,6 +842,12 @@ def report(outcomes: list[Outcome], command: str, started: datetime.datetime,
 def grid_targets(outcomes: list[Outcome]) -> list[tuple[bool | None, str]]:
     lines: list[tuple[bool | None, str]] = []
     for o in outcomes:
+        if o.cell.kind != "moshpit":
+            if o.status == "ok":
+                lines.append((None, f"{o.cell.kind}, {o.cell.world} peers, "
+                              f"{size_name(o.cell.numel)}: {o.fraction:.3f} of its bound "
+                              "(reference)"))
+            continue
         where = (f"moshpit, {o.cell.world} peers, {size_name(o.cell.numel)}, "
                  f"{o.cell.rate / 1e6:g} Mbit/s")
         if o.status != "ok":
@@ -855,13 +863,14 @@ def grid_targets(outcomes: list[Outcome]) -> list[tuple[bool | None, str]]:
 
 def grid_report(outcomes: list[Outcome], command: str, started: datetime.datetime,
                 elapsed: float, note: str = "") -> str:
-    rows = ["| peers | grid | rate | size | bound | time per all-reduce | of the bound | exact | "
-            "slowest call | extra memory | host CPU busy |", "| ---: | --- | ---: | --- | ---: | "
-            "---: | ---: | --- | ---: | ---: | ---: |"]
+    rows = ["| collective | peers | grid | rate | size | bound | time per all-reduce | of the "
+            "bound | exact | slowest call | extra memory | host CPU busy |", "| --- | ---: | --- | "
+            "---: | --- | ---: | ---: | ---: | --- | ---: | ---: | ---: |"]
     for o in outcomes:
-        sides = "x".join(map(str, Grid.for_world(o.cell.world).sides))
+        sides = ("x".join(map(str, Grid.for_world(o.cell.world).sides))
+                 if o.cell.kind == "moshpit" else "ring")
         slowest = f"{max(o.seconds):.3g} s" if o.seconds else "-"
-        rows.append(f"| {o.cell.world} | {sides} | {o.cell.rate / 1e6:g} Mbit/s | "
+        rows.append(f"| {o.cell.kind} | {o.cell.world} | {sides} | {o.cell.rate / 1e6:g} Mbit/s | "
                     f"{size_name(o.cell.numel)} | "
                     f"{o.cell.bound:.3g} s | {show(o, with_bound=False)} | "
                     f"{o.fraction:.2f} | {'yes' if o.exact else 'no'} | {slowest} | "
@@ -880,8 +889,11 @@ def grid_report(outcomes: list[Outcome], command: str, started: datetime.datetim
         f"{TCP_CONGESTION} with `group_size` {GRID_GROUP}: N = 8 sits on a 4x2 grid, N = 16 on "
         "4x4. One warm-up call, then timed calls (1M: 5, 10M: 2); the time is the slowest "
         "peer's, averaged over the timed calls; the call's deadline (`timeout`) is 10x the "
-        "bound, 30-120 s. The bound is one group all-reduce per grid axis: each peer receives "
-        "2(g-1)/g of the tensor per side g (4x2: 2.5 tensors; 4x4: 3), at the rate. The "
+        "bound, 30-120 s. Moshpit's bound is one group all-reduce per grid axis: each peer "
+        "receives 2(g-1)/g of the tensor per side g (4x2: 2.5 tensors; 4x4: 3), at the rate; "
+        "the ring (reliable ring all-reduce over TCP, one stream in and one out per worker) "
+        "runs on the same links as a reference for what TCP reaches there, against its own "
+        "bound, 2(N-1)/N tensors. The "
         "inputs are `mean + c_r * noise` with the c_r summing to zero and no proper subset "
         f"doing so (`offsets`): the result must equal `mean` (tolerance {TOLERANCE:g}). Extra "
         "memory: ru_maxrss after the calls minus before them, over the tensor's bytes (the "
@@ -891,7 +903,8 @@ def grid_report(outcomes: list[Outcome], command: str, started: datetime.datetim
         "",
         "### Targets",
         "",
-        *[f"- {'PASS' if ok else 'FAIL'}: {text}" for ok, text in grid_targets(outcomes)],
+        *[f"- {'PASS' if ok else 'FAIL' if ok is False else 'info'}: {text}"
+          for ok, text in grid_targets(outcomes)],
         "",
     ])
 
@@ -933,6 +946,8 @@ def main() -> None:
         worker(json.loads(sys.argv[2]))
         return
     args = parser.parse_args()
+    if args.grid and args.kinds == parser.get_default("kinds"):
+        args.kinds = ",".join(GRID_KINDS)
     kinds = [kind.strip() for kind in args.kinds.split(",") if kind.strip()]
     unknown = sorted(set(kinds) - set(KINDS))
     if unknown or not kinds:
