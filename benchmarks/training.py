@@ -445,11 +445,12 @@ def report(outcomes: list[Outcome], command: str, started: datetime.datetime, el
 
 
 def plan(kinds: list[str], losses: list[float], median: str,
-         seeds: Sequence[int] = SEEDS) -> list[Cell]:
+         seeds: Sequence[int] = SEEDS, reference_only: bool = False) -> list[Cell]:
     """The cells in the order of `kinds`, each part-1 collective at every loss: lossy's once
     per seed (a seed's lossless run next to its lossy ones), EXACT's lossless run once per
     seed (the exact reference), the rest of gloo's and part 2's with the first seed (gloo is
-    exact: its result does not depend on the loss)."""
+    exact: its result does not depend on the loss). `reference_only`: EXACT only for its
+    lossless runs."""
     cells: list[Cell] = []
     for kind in kinds:
         if kind == "dropcompute":
@@ -459,6 +460,7 @@ def plan(kinds: list[str], losses: list[float], median: str,
             cells += [Cell(kind, loss, seed=seed) for seed in seeds for loss in losses]
         else:
             cells += [Cell(kind, loss, seed=seed) for loss in losses
+                      if not (reference_only and kind == EXACT and loss)
                       for seed in (seeds if kind == EXACT and loss == 0 else seeds[:1])]
     return cells
 
@@ -482,6 +484,8 @@ def main() -> None:
                         f"lossy's cells and {EXACT}'s lossless one run once per seed, the "
                         "others with the first "
                         "(default: %(default)s)")
+    parser.add_argument("--reference-only", action="store_true",
+                        help=f"run {EXACT} only for its lossless reference runs")
     parser.add_argument("--drift-every", type=int, default=0,
                         help="measure parameter drift every N steps (0: never)")
     parser.add_argument("--drift-plot", type=Path,
@@ -510,7 +514,7 @@ def main() -> None:
         seeds = []
     if not seeds:
         parser.error(f"--seeds: expected comma-separated integers, got {args.seeds!r}")
-    cells = plan(kinds, losses, args.straggler_median, seeds)
+    cells = plan(kinds, losses, args.straggler_median, seeds, args.reference_only)
     outcomes: list[Outcome] = []
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="tb-training-") as tmp:
