@@ -49,7 +49,7 @@ from testbed.collectives.estimate import AdaptiveDeadline, AdaptiveSettle, Chunk
 from testbed.collectives.parity import parity_chunks, repair, xor_parity
 from testbed.transport.tcp import Listener, StreamMesh
 from testbed.transport.tensors import bits, codec_of, values_of
-from testbed.transport.udp import DatagramEndpoint, Landing, Sink, chunk_count
+from testbed.transport.udp import PHASES, DatagramEndpoint, Landing, Sink, chunk_count
 from testbed.transport.wire import BUCKETS, Codec, Kind
 
 # What a worker's copy holds where it missed a chunk of an owner's parameter broadcast (`step`):
@@ -125,6 +125,7 @@ class Lossy(CollectiveBase):
         resync_every: int = 0,
         parity: int = 0,
         missed: str = "keep",
+        resend: bool = False,
         stream_addresses: Sequence[tuple[str, int]] | None = None,
         congestion: str | None = None,
         timeout: float = 30.0,
@@ -143,7 +144,9 @@ class Lossy(CollectiveBase):
         parity chunk per G chunks, from which a receiver rebuilds a chunk that is the only one
         of its group lost. `missed` says what a copy holds where a parameter broadcast chunk
         was missed (`step`; MISSED): its stale value, or that plus the last update it received
-        there, or plus its own optimizer's update of its local gradient. The workers meet over
+        there, or plus its own optimizer's update of its local gradient. With `resend`, a
+        worker asks each owner once for the broadcast chunks it lacks, and gets them again
+        within the call. The workers meet over
         TCP at `stream_addresses` (default: `addresses`; TCP ports are apart from UDP's), with
         `congestion` control and `timeout` per message, before the first datagram; with
         `resync_every` N > 0, every step whose number + 1 is a multiple of N broadcasts there.
@@ -184,18 +187,19 @@ class Lossy(CollectiveBase):
         self.rank, self.world, self.timeout = rank, world, timeout
         self.resync_every, self.test_loss, self.settle = resync_every, test_loss, settle
         self.straggler_timeout, self.parity, self.missed = straggler_timeout, parity, missed
+        self.resend = resend
         # Per phase, the settle learned from late datagrams (settle "auto").
-        self._settles = {kind: AdaptiveSettle() for kind in (Kind.GRADIENT, Kind.PARAMETER)}
+        self._settles = {kind: AdaptiveSettle() for kind in PHASES}
         # missed "last_update": per other owner, the last per-step update received for each
         # element of its shard, and per chunk the steps missed since then.
         self._updates: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         # Peers in the order of the rounds: at round i a worker sends to rank + i and hears
         # from rank - i, so reliable broadcasts pair up and never wait on each other.
         self.peers = [(rank + i) % world for i in range(1, world)]
-        self.gather_deadline, self.broadcast_deadline = (
+        self.gather_deadline, self.broadcast_deadline, self.repair_deadline = (
             AdaptiveDeadline(floor=deadline_floor, ceiling=deadline_ceiling,
                              initial=deadline_initial)
-            for _ in range(2)
+            for _ in range(3)
         )
         self._step, self._in_step = -1, 0  # calls within one step are numbered (the bucket)
         # Peers that sent nothing in time, with their received-datagram count then: they are
@@ -335,13 +339,19 @@ class Lossy(CollectiveBase):
                     Kind.PARAMETER, step, bucket, broadcast_keep, broadcasting,
                     broadcast_deadline, self.broadcast_deadline)
             broadcast = time.monotonic()
-            rebuilt = 0
+            rebuilt = resent = 0
+            data_chunks = {owner: chunk_count(sizes[owner] + counts[owner].numel(),
+                                              broadcast_numel) for owner in self.peers}
             if group:
                 for owner, (_, parity) in parities.items():
-                    chunks = chunk_count(sizes[owner] + counts[owner].numel(), broadcast_numel)
                     rebuilt += len(repair(landings[owner], broadcast_arrived[owner],
-                                          bits(parity).reshape(-1, broadcast_numel), chunks,
-                                          group))
+                                          bits(parity).reshape(-1, broadcast_numel),
+                                          data_chunks[owner], group))
+            if self.resend and not reliable:
+                resent = self._resend(step, bucket, landings, broadcast_arrived, message,
+                                      data_chunks,
+                                      chunk_count(own.numel() + own_counts.numel(),
+                                                  broadcast_numel))
         finally:  # a call that failed leaves no key open to land in its tensors
             self.endpoint.close_key(Kind.GRADIENT, step, bucket)
             self.endpoint.close_key(Kind.PARAMETER, step, bucket)
@@ -398,15 +408,19 @@ class Lossy(CollectiveBase):
                 "resync": float(reliable),
                 "peers_absent": float(len(self._absent)),
                 "chunks_rebuilt": float(rebuilt),
+                "chunks_resent": float(resent),
             },
             chunk_coverage=own_coverage, gathered=gather_arrived, received=broadcast_arrived,
             missing=missing, late=late, lost=lost,
         )
 
-    def _open(self, kind: Kind, step: int, bucket: int,
-              sinks: Mapping[int, Sink]) -> dict[int, np.ndarray]:
-        """Open (kind, step, bucket) with a sink per sender; per sender, which of its chunks
-        count (all, but for those a test loss model discards: they never reach the sink)."""
+    def _open(self, kind: Kind, step: int, bucket: int, sinks: Mapping[int, Sink | torch.Tensor],
+              present: Mapping[int, np.ndarray] | None = None) -> dict[int, np.ndarray]:
+        """Open (kind, step, bucket) with a sink per sender (`present`: the chunks in hand
+        already, see `DatagramEndpoint.open`); per sender, which of its chunks count (all, but
+        for those a test loss model discards: they never reach the sink)."""
+        sinks = {sender: Landing([sink], self.endpoint.chunk_numel(codec_of(sink.dtype)))
+                 if isinstance(sink, torch.Tensor) else sink for sender, sink in sinks.items()}
         keep = {}
         for sender, sink in sinks.items():
             count = chunk_count(sink.numel, self.endpoint.chunk_numel(sink.codec))
@@ -415,8 +429,49 @@ class Lossy(CollectiveBase):
                 keep[sender] &= ~self.test_loss.lost(kind, step, bucket, sender, self.rank, count)
         self.endpoint.open(kind, step, bucket, {sender: len(k) for sender, k in keep.items()},
                            into={sender: _Kept(sink, keep[sender]) if not keep[sender].all()
-                                 else sink for sender, sink in sinks.items()})
+                                 else sink for sender, sink in sinks.items()}, present=present)
         return keep
+
+    def _resend(self, step: int, bucket: int, landings: Mapping[int, Landing],
+                arrived: dict[int, np.ndarray], message: Sequence[torch.Tensor],
+                data_chunks: Mapping[int, int], mine: int) -> int:
+        """Ask every owner once for the data chunks of its broadcast that this worker lacks (a
+        CONTROL message: a bitmap of them, sent even when empty, so no owner waits for it),
+        send every peer again what it asked of this worker's broadcast (`message`, of `mine`
+        data chunks) as REPAIR datagrams, and land what comes back into `landings`, within the
+        repair deadline (learned like the others). `arrived` gets the chunks that came so;
+        returns how many."""
+        started = time.monotonic()
+        asks = {peer: torch.zeros(-(-mine // 8), dtype=torch.uint8) for peer in self.peers}
+        ask_keep = self._open(Kind.CONTROL, step, bucket, asks)
+        lacking = [owner for owner in self.peers if not arrived[owner][:data_chunks[owner]].all()]
+        present = {owner: arrived[owner].copy() for owner in lacking}
+        for owner, here in present.items():  # parity chunks are not sent again
+            here[data_chunks[owner]:] = True
+        repair_keep = self._open(Kind.REPAIR, step, bucket,
+                                 {owner: landings[owner] for owner in lacking}, present=present)
+        try:
+            self.endpoint.send_tensors(Kind.CONTROL, step, bucket, {
+                owner: np.packbits(~arrived[owner][:data_chunks[owner]])
+                for owner in self.peers})
+            deadline = self.repair_deadline.seconds
+            asked = self._collect(Kind.CONTROL, step, bucket, ask_keep, started, deadline,
+                                  self.repair_deadline, patience=deadline)
+            wanted = {peer: np.flatnonzero(np.unpackbits(asks[peer].numpy())[:mine])
+                      for peer in self.peers if asked[peer].all()}
+            self.endpoint.send_tensors(Kind.REPAIR, step, bucket,
+                                       dict.fromkeys(wanted, message), only=wanted)
+            self.endpoint.announce(Kind.REPAIR, step, bucket, self.peers)  # all sent
+            came = self._collect(Kind.REPAIR, step, bucket, repair_keep, time.monotonic(),
+                                 deadline, self.repair_deadline, patience=deadline)
+        finally:
+            self.endpoint.close_key(Kind.CONTROL, step, bucket)
+            self.endpoint.close_key(Kind.REPAIR, step, bucket)
+        resent = 0
+        for owner, got in came.items():
+            resent += int((got & ~arrived[owner]).sum())
+            arrived[owner] |= got
+        return resent
 
     def _broadcast_reliably(
         self, result: torch.Tensor, counts: Mapping[int, torch.Tensor], own_counts: torch.Tensor,
@@ -451,17 +506,20 @@ class Lossy(CollectiveBase):
     def _collect(
         self, kind: Kind, step: int, bucket: int, keep: Mapping[int, np.ndarray],
         started: float, transfer: float, learner: AdaptiveDeadline,
+        patience: float | None = None,
     ) -> dict[int, np.ndarray]:
         """Wait for the opened (kind, step, bucket), saying where this worker is meanwhile: a
-        present sender that is behind up to `straggler_timeout` after `started`, an absent
-        one not at all, and each stream for `transfer` seconds from its first chunk (or from
-        when its sender was seen past it). Per sender, which of its chunks came and count
-        (`keep`). Teaches `learner` how long the streams took; marks who sent nothing."""
+        present sender that is behind up to `patience` (default `straggler_timeout`) after
+        `started`, an absent one not at all, and each stream for `transfer` seconds from its
+        first chunk (or from when its sender was seen past it). Per sender, which of its chunks
+        came and count (`keep`). Teaches `learner` how long the streams took; marks who sent
+        nothing."""
+        patience = self.straggler_timeout if patience is None else patience
         start_by = {sender: started if sender in self._absent
-                    else started + self.straggler_timeout for sender in keep}
+                    else started + patience for sender in keep}
         learned = self._settles[kind]
         collected = self.endpoint.collect(
-            kind, step, bucket, None, started + self.straggler_timeout + transfer,
+            kind, step, bucket, None, started + patience + transfer,
             settle=learned.seconds if self.settle == "auto" else self.settle,
             transfer=transfer, start_by=start_by, announce=True)
         first = collected.first_arrivals

@@ -181,6 +181,9 @@ class LossyOptions(CollectiveOptions):
         "owner's parameter broadcast (strategy sharded): keep (its stale value), last_update "
         "(that plus the last update it received there, per step missed), local (that plus its "
         "own optimizer's update of its local gradient).")
+    resend: bool = Field(default=False, description="After the broadcast, every worker asks "
+                         "each owner once for the chunks it lacks and gets them again within "
+                         "the call (two more exchanges per call).")
     timeout: float = Field(default=30.0, gt=0, description=TIMEOUT_HELP)
 
     def strategy_problem(self, strategy: str) -> tuple[str, str] | None:

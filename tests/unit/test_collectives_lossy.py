@@ -487,3 +487,23 @@ def test_a_missed_chunk_takes_the_update_of_the_local_gradient():
 def test_bad_options_are_named(option, value, message):
     with pytest.raises(ValueError, match=message):
         Lossy(0, 1, addresses=[("127.0.0.1", 0)], **{option: value})
+
+
+def test_a_resend_brings_every_missed_broadcast_chunk_back():
+    """30% of the broadcasts' datagrams are discarded, none of the repairs: each worker asks
+    each owner for what it lacks, gets it again within the call, and holds the owners'
+    parameters exactly."""
+    world, numel = 3, 30_000
+    loss = SeededLoss(0.3, seed=8, kinds=frozenset({Kind.PARAMETER}))
+    group = lossy_group(world, test_loss=loss, resend=True)
+    try:
+        start = torch.randn(numel, generator=torch.Generator().manual_seed(96))
+        results = sharded_steps(group, [start] * world, seeded(world, numel), step=0)
+        owners = torch.cat([results[owner][0][shard]
+                            for owner, shard in enumerate(bounds(numel, world))])
+        for parameters, stats in results:
+            assert torch.equal(parameters, owners)
+            assert stats.extra["chunks_resent"] > 0
+            assert stats.coverage == 1.0
+    finally:
+        close_all(group)
