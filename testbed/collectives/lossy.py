@@ -11,7 +11,10 @@ shard k. One call has two phases:
    (`allreduce`) or the fresh parameters its optimizer made from it (`step`), with each
    chunk's contribution count appended so receivers know their coverage. A worker that misses
    a chunk keeps its own value there (its gradient, or its stale parameters) until a later
-   broadcast overwrites it: copies lag where broadcasts were lost, they never diverge.
+   broadcast overwrites it: copies lag where broadcasts were lost, they never diverge. Options
+   narrow that: XOR parity chunks that rebuild a lost chunk (`parity`), a request for what
+   did not come (`resend`), and for parameters a best estimate in place of the stale value
+   (`missed`).
 
 Chunks land where they belong as they are read, with no per-peer copies: gradient chunks are
 added into the owner's running sums, broadcast chunks are written into the owner's slice of the
