@@ -104,7 +104,10 @@ class _Ignored:
         pass
 
 
-def test_lossy_all_reduce_is_exactly_the_mean_of_the_chunks_that_came(make_lab, monkeypatch):
+@pytest.mark.parametrize("options", [{}, {"parity": 2, "resend": True}],
+                         ids=["plain", "parity-resend"])
+def test_lossy_all_reduce_is_exactly_the_mean_of_the_chunks_that_came(make_lab, monkeypatch,
+                                                                       options):
     """Under real packet loss (nftables drops 10% of every link's packets, the kernel's
     choice), every result is rebuilt exactly from the per-chunk records of what came in time
     (`LossyStats.gathered`, `.received`: the transport's account of each chunk) and the
@@ -117,11 +120,14 @@ def test_lossy_all_reduce_is_exactly_the_mean_of_the_chunks_that_came(make_lab, 
     is 0.006, so either bound is over 10 of them away, a false failure negligible), where an
     owner that never heard a peer would record 0%.
 
+    With parity and resend, the broadcast chunks rebuilt from parity or sent again count as
+    come, and must hold the owner's values bit for bit like the others.
+
     How it was checked to catch wrong answers: the test runs one more call with a deliberately
     wrong gather (each owner drops whatever its peer rank + 1 sends, while the transport still
     records it as come) and requires the comparison to fail for it; it failed for every rank."""
     world, numel = 3, 300_000
-    group = lossy_lab(make_lab, world)
+    group = lossy_lab(make_lab, world, **options)
     try:
         mean = torch.randn(numel, generator=torch.Generator().manual_seed(0))
         inputs = [mean + 0.1 * torch.randn(numel, generator=torch.Generator().manual_seed(r))
