@@ -7,8 +7,11 @@ losing 0/1/5/10% of its packets (the host kernel's fallback shaping: htb rate, n
 the switch-side ports), plus one unshaped set compared against gloo. Every worker is its own
 process in its own namespace; the parent starts them together for each call (a line on their
 stdin), so no call pays for another's start. Writes benchmarks/results/collectives.md.
+`--grid` runs Moshpit on a grid instead: 8 and 16 peers in groups of four, every peer's
+downlink and uplink at 100 Mbit/s, against the bound of one group all-reduce per grid axis
+(benchmarks/results/collectives-moshpit-grid.md).
 
-    .venv/bin/python -m benchmarks.collectives [--quick] [--out PATH]
+    .venv/bin/python -m benchmarks.collectives [--quick] [--grid] [--out PATH]
 """
 
 from __future__ import annotations
@@ -33,11 +36,17 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import machine
+from testbed.collectives.grid import Grid
 from testbed.transport.auth import write_key
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "collectives.md"
+GRID_RESULTS = REPO / "benchmarks" / "results" / "collectives-moshpit-grid.md"
 WORLD = 4
+GRID_WORLDS = (8, 16)  # --grid: Moshpit's peers, in groups of GRID_GROUP
+GRID_KINDS = ("moshpit", "ring")  # --grid: the ring shows what TCP reaches on the same links
+GRID_GROUP = 4
+GRID_RATE = 100e6  # --grid: every peer's downlink and uplink
 SIZES = {"1M": 1_000_000, "10M": 10_000_000, "100M": 100_000_000}
 RATES = {"100 Mbit/s": 100e6, "1 Gbit/s": 1e9}
 LOSSES = (0.0, 0.01, 0.05, 0.10)
@@ -63,14 +72,29 @@ LOSSY_PACE_CAP = 400e6
 STARTUP = 120.0  # seconds for four processes to import torch, build inputs and meet
 SEED = 20261122
 OFFSETS = (-3.0, -1.0, 0.5, 3.5)  # input_r = mean + OFFSETS[r] * noise; no subset sums to 0
-SPREAD = math.sqrt(sum(c * c for c in OFFSETS) / len(OFFSETS))  # the inputs' rms offset
 TOLERANCE = 1e-5
+
+
+def offsets(world: int) -> tuple[float, ...]:
+    """The inputs' offsets (input_r = mean + offsets[r] * noise): they sum to zero and no
+    proper subset does. Four workers: OFFSETS. More: every offset but the last positive
+    (0.1 to 0.11) and the last the negative of their sum, so a subset sums to zero only with
+    the last and all the others; small, so float32 rounding stays far below TOLERANCE."""
+    if world == len(OFFSETS):
+        return OFFSETS
+    rest = [0.1 * (1 + rank / world**2) for rank in range(world - 1)]
+    return (*rest, -sum(rest))
+
+
+def spread(world: int) -> float:
+    """The inputs' rms offset."""
+    return math.sqrt(sum(c * c for c in offsets(world)) / world)
 
 
 # -- the worker process ---------------------------------------------------------------------
 
 
-def make_input(rank: int, numel: int):
+def make_input(rank: int, numel: int, world: int = WORLD):
     """(the true mean, this rank's input): the inputs average to the mean exactly, and no
     proper subset of them does, so a result that left a worker out cannot pass as correct.
     Built in place: no temporaries inflate the memory baseline."""
@@ -78,7 +102,7 @@ def make_input(rank: int, numel: int):
 
     mean = torch.randn(numel, generator=torch.Generator().manual_seed(SEED))
     mine = torch.randn(numel, generator=torch.Generator().manual_seed(SEED + 1))
-    mine.mul_(OFFSETS[rank]).add_(mean)
+    mine.mul_(offsets(world)[rank]).add_(mean)
     return mean, mine
 
 
@@ -121,7 +145,7 @@ def build(spec: dict[str, Any]):
     for key in ("master", "store", "listen"):
         if key in options:
             options[key] = tuple(options[key])
-    return create(kind, rank, WORLD, **options)
+    return create(kind, rank, spec["world"], **options)
 
 
 def worker(spec: dict[str, Any]) -> None:
@@ -135,7 +159,7 @@ def worker(spec: dict[str, Any]) -> None:
     def say(**fields: Any) -> None:
         print(json.dumps({"rank": rank, **fields}), flush=True)
 
-    mean, mine = make_input(rank, numel)
+    mean, mine = make_input(rank, numel, spec["world"])
     collective = build(spec)
     try:
         rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -179,17 +203,27 @@ class Cell:
     rate: float | None  # bits/s on every downlink; None: unshaped
     loss: float
     quick: bool = field(default=False, compare=False)
+    world: int = WORLD
+    uplinks: bool = False  # the rate on every uplink too
 
     @property
     def bytes(self) -> int:
         return self.numel * 4
 
     @property
+    def factor(self) -> float:
+        """The tensors' worth each worker receives at least: 2(N-1)/N; for Moshpit one group
+        all-reduce per axis of its grid (groups of four), 2(g-1)/g per side g."""
+        if self.kind == "moshpit":
+            return sum(2 * (side - 1) / side for side in Grid.for_world(self.world).sides)
+        return 2 * (self.world - 1) / self.world
+
+    @property
     def bound(self) -> float | None:
-        """Seconds the bandwidth bound allows: each worker receives 2(N-1)/N of the tensor."""
+        """Seconds the bandwidth bound allows: `factor` tensors at the rate."""
         if self.rate is None:
             return None
-        return 2 * (WORLD - 1) / WORLD * self.bytes * 8 / self.rate
+        return self.factor * self.bytes * 8 / self.rate
 
     @property
     def call_timeout(self) -> float:
@@ -198,7 +232,7 @@ class Cell:
         rate = self.rate or 1e9
         if self.kind.startswith("lossy"):
             rate = min(rate, LOSSY_PACE_CAP)
-        bound = 2 * (WORLD - 1) / WORLD * self.bytes * 8 / rate
+        bound = self.factor * self.bytes * 8 / rate
         return min(max(10 * bound, 30.0), 120.0)
 
     @property
@@ -224,11 +258,12 @@ class Outcome:
     warmup: float = math.nan
     coverage: float = math.nan  # mean over ranks and timed calls
     exact: bool = False
-    relative_error: float = math.nan  # worst rank: |result - mean| / SPREAD
+    relative_error: float = math.nan  # worst rank: |result - mean| / the inputs' rms offset
     extra_memory: float = math.nan  # worst rank, in tensor sizes
     tcp: dict[str, int] = field(default_factory=dict)
     tcp_default: str = ""
     counters: dict[str, float] = field(default_factory=dict)  # summed over ranks, timed calls
+    cpu_busy: float = math.nan  # the host's CPUs during the timed calls: 1 - idle share
     note: str = ""
     wall: float = 0.0
 
@@ -258,11 +293,11 @@ def options_for(cell: Cell, lab, port: int, key_file: Path) -> list[dict[str, An
         store = (hosts[0].address, port)
         return [{"store": store, "listen": (h.address, port + 1), "timeout": timeout,
                  "expiry": 15.0, "congestion": TCP_CONGESTION, "run_id": port,
-                 "rendezvous_timeout": STARTUP} for h in hosts]
+                 "rendezvous_timeout": STARTUP * max(1, cell.world // WORLD)} for h in hosts]
     if cell.kind.startswith("lossy"):
         pace = min(LOSSY_PACE_CAP, PACE * (cell.rate or math.inf))
         # One phase: each worker sends 3/4 of the tensor, paced, in MTU-sized datagrams.
-        phase = (WORLD - 1) / WORLD * cell.bytes / FRAME_PAYLOAD * 8 / pace
+        phase = (cell.world - 1) / cell.world * cell.bytes / FRAME_PAYLOAD * 8 / pace
         ceiling = timeout / 2.5
         initial = min(1.5 * phase + 2.0, ceiling)  # the warm-up's, until one is learned
         addresses = [(h.address, port) for h in hosts]
@@ -273,7 +308,7 @@ def options_for(cell: Cell, lab, port: int, key_file: Path) -> list[dict[str, An
     raise ValueError(cell.kind)
 
 
-def shape(lab, rate: float | None, loss: float) -> None:
+def shape(lab, rate: float | None, loss: float, uplinks: bool = False) -> None:
     from netem import apply
     from netem.profile import LinkProfile
 
@@ -287,6 +322,9 @@ def shape(lab, rate: float | None, loss: float) -> None:
     profile = LinkProfile.parse(spec)
     for host in lab.hosts:  # every host's downlink: the switch port towards it
         apply(host.switch_port, profile, netns=lab.switch, backend="fallback")
+        if uplinks and rate is not None:  # and its uplink: its own port's egress
+            apply(host.iface, LinkProfile.parse({"rate": spec["rate"]}), netns=host.netns,
+                  backend="fallback")
 
 
 def run_cell(lab, cell: Cell, port: int, logs: Path) -> Outcome:
@@ -309,8 +347,8 @@ def run_cell(lab, cell: Cell, port: int, logs: Path) -> Outcome:
             write_key(key_file)
         for rank, options in enumerate(options_for(cell, lab, port, key_file)):
             spec = {"rank": rank, "kind": cell.kind.split("-")[0], "numel": cell.numel,
-                    "calls": calls, "options": options, "warmup_numel": cell.warmup_numel,
-                    "warmups": cell.warmups}
+                    "world": cell.world, "calls": calls, "options": options,
+                    "warmup_numel": cell.warmup_numel, "warmups": cell.warmups}
             error = (logs / f"{cell.kind}-{cell.numel}-{rank}.err").open("w")
             errors.append(error)
             process = lab.popen(lab.hosts[rank], [sys.executable, "-m", "benchmarks.collectives",
@@ -324,7 +362,8 @@ def run_cell(lab, cell: Cell, port: int, logs: Path) -> Outcome:
             threading.Thread(target=_read, args=(rank, process, lines, transcript),
                              daemon=True).start()
 
-        inbox: dict[int, list[dict[str, Any]]] = {rank: [] for rank in range(WORLD)}
+        world = cell.world
+        inbox: dict[int, list[dict[str, Any]]] = {rank: [] for rank in range(world)}
         ended: set[int] = set()
 
         def gather(event: str, timeout: float) -> dict[int, dict[str, Any]] | None:
@@ -333,14 +372,14 @@ def run_cell(lab, cell: Cell, port: int, logs: Path) -> Outcome:
             got: dict[int, dict[str, Any]] = {}
             deadline = time.monotonic() + timeout
             while True:
-                for rank in range(WORLD):
+                for rank in range(world):
                     while rank not in got and inbox[rank]:
                         line = inbox[rank].pop(0)
                         if line.get("event") == event:
                             got[rank] = line
                     if rank not in got and rank in ended:
                         raise WorkerDied(rank)
-                if len(got) == WORLD:
+                if len(got) == world:
                     return got
                 remaining = deadline - time.monotonic()
                 try:  # short waits: a signal to this process is handled within a second
@@ -354,11 +393,14 @@ def run_cell(lab, cell: Cell, port: int, logs: Path) -> Outcome:
                 else:
                     inbox[rank].append(line)
 
-        if gather("ready", STARTUP) is None:
-            outcome.status, outcome.note = "timeout", f"not ready within {STARTUP:.0f} s"
+        startup = STARTUP * max(1, world // WORLD)  # processes import torch on two cores
+        if gather("ready", startup) is None:
+            outcome.status, outcome.note = "timeout", f"not ready within {startup:.0f} s"
             return outcome
         per_call = []
         for call in range(calls):
+            if call == cell.warmups:
+                cpu_before = cpu_times()
             for process in processes:
                 assert process.stdin is not None
                 process.stdin.write("go\n")
@@ -370,6 +412,7 @@ def run_cell(lab, cell: Cell, port: int, logs: Path) -> Outcome:
                                 else f"timed call {call - cell.warmups + 1}") + " timed out"
                 return outcome
             per_call.append(got)
+        outcome.cpu_busy = cpu_busy(cpu_before, cpu_times())
         done = gather("done", 60.0)
         if done is None:
             outcome.note = "no final report within 60 s"
@@ -378,7 +421,7 @@ def run_cell(lab, cell: Cell, port: int, logs: Path) -> Outcome:
         timed = per_call[cell.warmups:]
         outcome.seconds = [max(line["seconds"] for line in got.values()) for got in timed]
         outcome.coverage = sum(line["coverage"] for got in timed for line in got.values()) / (
-            WORLD * len(timed))
+            world * len(timed))
         counters: dict[str, float] = {}
         for got in timed:
             for line in got.values():
@@ -390,9 +433,10 @@ def run_cell(lab, cell: Cell, port: int, logs: Path) -> Outcome:
         outcome.counters = counters
         outcome.exact = all(line["exact"] for line in done.values())
         # the worker reports |result - mean| / |own input - mean|; own input - mean is
-        # OFFSETS[rank] * noise, so this is the error over the inputs' rms distance to the mean
-        outcome.relative_error = max(line["relative_error"] * abs(OFFSETS[rank]) / SPREAD
-                                     for rank, line in done.items())
+        # offsets[rank] * noise, so this is the error over the inputs' rms distance to the mean
+        outcome.relative_error = max(
+            line["relative_error"] * abs(offsets(world)[rank]) / spread(world)
+            for rank, line in done.items())
         outcome.extra_memory = max(line["extra_memory"] for line in done.values())
         outcome.tcp = done[0]["tcp"]
         outcome.tcp_default = done[0]["tcp_default"]
@@ -415,6 +459,18 @@ def run_cell(lab, cell: Cell, port: int, logs: Path) -> Outcome:
         for error in errors:
             error.close()
         outcome.wall = time.monotonic() - started
+
+
+def cpu_times() -> tuple[int, int]:
+    """(idle, total) jiffies of all the host's CPUs, from /proc/stat (idle and iowait idle)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return fields[3] + fields[4], sum(fields)
+
+
+def cpu_busy(before: tuple[int, int], after: tuple[int, int]) -> float:
+    """The share of the host's CPU time that was not idle between two `cpu_times`."""
+    total = after[1] - before[1]
+    return 1 - (after[0] - before[0]) / total if total else math.nan
 
 
 class WorkerDied(Exception):
@@ -466,12 +522,19 @@ def _tail(path: Path, lines: int = 3) -> str:
 
 def plan(quick: bool, kinds: Sequence[str] = KINDS, sizes: Sequence[str] | None = None,
          rates: Sequence[str] | None = None, losses: Sequence[float] | None = None,
+         grid: Sequence[int] = (), grid_rate: float = GRID_RATE,
          ) -> list[tuple[float | None, float, list[Cell]]]:
     """(rate, loss, cells) per lab, in the order they run: smaller before larger, so a
     collective that timed out need not be tried where it can only be slower. `sizes`, `rates`
-    (names, "unshaped" among them) and `losses` keep only the cells they name."""
+    (names, "unshaped" among them) and `losses` keep only the cells they name. With `grid`
+    (worlds), only the grid cells of `kinds` (Moshpit, and the ring as a reference over the
+    same links): one lab per world."""
     groups: list[tuple[float | None, float, list[Cell]]] = []
-    if quick:
+    if grid:
+        numels = [SIZES["1M"], SIZES["10M"]]
+        groups += [(grid_rate, 0.0, [Cell(k, n, grid_rate, 0.0, quick, world, True)
+                                     for n in numels for k in kinds]) for world in grid]
+    elif quick:
         numels = [SIZES["1M"], SIZES["10M"]]
         groups.append((None, 0.0, [Cell(k, n, None, 0.0, True) for n in numels for k in kinds]))
         for loss in (0.0, 0.10):
@@ -561,7 +624,7 @@ def tables(outcomes: list[Outcome]) -> list[str]:
                 o = by.get((kind, numel, None, 0.0))
                 text = show(o)
                 if (o and o.status == "ok" and reference and reference.status == "ok"):
-                    bus = 2 * (WORLD - 1) / WORLD * o.cell.bytes * 8 / o.time / 1e9
+                    bus = o.cell.factor * o.cell.bytes * 8 / o.time / 1e9
                     text += f", x{reference.time / o.time:.2f} vs gloo, {bus:.2f} Gbit/s bus"
                 cells.append(text)
             out.append(f"| {size_name(numel)} | " + " | ".join(cells) + " |")
@@ -776,6 +839,76 @@ def report(outcomes: list[Outcome], command: str, started: datetime.datetime,
     ])
 
 
+def grid_targets(outcomes: list[Outcome]) -> list[tuple[bool | None, str]]:
+    lines: list[tuple[bool | None, str]] = []
+    for o in outcomes:
+        if o.cell.kind != "moshpit":
+            if o.status == "ok":
+                lines.append((None, f"{o.cell.kind}, {o.cell.world} peers, "
+                              f"{size_name(o.cell.numel)}: {o.fraction:.3f} of its bound "
+                              "(reference)"))
+            continue
+        where = (f"moshpit, {o.cell.world} peers, {size_name(o.cell.numel)}, "
+                 f"{o.cell.rate / 1e6:g} Mbit/s")
+        if o.status != "ok":
+            lines.append((False, f"{where}: {show(o)}"))
+            continue
+        lines.append((o.fraction >= 0.85 and o.exact,
+                      f"{where}: {o.fraction:.3f} of the grid's bandwidth bound, "
+                      f"{'exact' if o.exact else 'NOT the exact mean'} (target >= 0.85, exact)"))
+        lines.append((o.extra_memory < 2, f"{where}: peak extra memory {o.extra_memory:.2f}x "
+                      "the tensor (target < 2x)"))
+    return lines
+
+
+def grid_report(outcomes: list[Outcome], command: str, started: datetime.datetime,
+                elapsed: float, note: str = "") -> str:
+    rows = ["| collective | peers | grid | rate | size | bound | time per all-reduce | of the "
+            "bound | exact | slowest call | extra memory | host CPU busy |", "| --- | ---: | --- | "
+            "---: | --- | ---: | ---: | ---: | --- | ---: | ---: | ---: |"]
+    for o in outcomes:
+        sides = ("x".join(map(str, Grid.for_world(o.cell.world).sides))
+                 if o.cell.kind == "moshpit" else "ring")
+        slowest = f"{max(o.seconds):.3g} s" if o.seconds else "-"
+        rows.append(f"| {o.cell.kind} | {o.cell.world} | {sides} | {o.cell.rate / 1e6:g} Mbit/s | "
+                    f"{size_name(o.cell.numel)} | "
+                    f"{o.cell.bound:.3g} s | {show(o, with_bound=False)} | "
+                    f"{o.fraction:.2f} | {'yes' if o.exact else 'no'} | {slowest} | "
+                    f"{o.extra_memory:.2f} | {o.cpu_busy:.0%} |")
+    return "\n".join([
+        "# Moshpit on a grid: groups of four, the same rate each way on every peer",
+        "",
+        *([f"**{note}**", ""] if note else []),
+        machine.written_by(command, started, elapsed),
+        "",
+        "How: a lab of N namespaces on a bridge (MTU 1500, offloads off); every peer's downlink "
+        "(the switch port towards it) and uplink (its own port's egress) shaped to the rate "
+        "of the table (`--grid-rate`, 100 Mbit/s unless said) with `netem.apply(..., "
+        "backend=\"fallback\")` (htb, this kernel has no sch_netem), no loss. Each peer is "
+        "its own process in its own namespace, Moshpit over TCP "
+        f"{TCP_CONGESTION} with `group_size` {GRID_GROUP}: N = 8 sits on a 4x2 grid, N = 16 on "
+        "4x4. One warm-up call, then timed calls (1M: 5, 10M: 2); the time is the slowest "
+        "peer's, averaged over the timed calls; the call's deadline (`timeout`) is 10x the "
+        "bound, 30-120 s. Moshpit's bound is one group all-reduce per grid axis: each peer "
+        "receives 2(g-1)/g of the tensor per side g (4x2: 2.5 tensors; 4x4: 3), at the rate; "
+        "the ring (reliable ring all-reduce over TCP, one stream in and one out per worker) "
+        "runs on the same links as a reference for what TCP reaches there, against its own "
+        "bound, 2(N-1)/N tensors. The "
+        "inputs are `mean + c_r * noise` with the c_r summing to zero and no proper subset "
+        f"doing so (`offsets`): the result must equal `mean` (tolerance {TOLERANCE:g}). Extra "
+        "memory: ru_maxrss after the calls minus before them, over the tensor's bytes (the "
+        "result itself is one tensor).",
+        "",
+        *rows,
+        "",
+        "### Targets",
+        "",
+        *[f"- {'PASS' if ok else 'FAIL' if ok is False else 'info'}: {text}"
+          for ok, text in grid_targets(outcomes)],
+        "",
+    ])
+
+
 def progress(outcome: Outcome, count: str, elapsed: float) -> None:
     cell = outcome.cell
     note = f" [{outcome.note}]" if outcome.note and outcome.status != "skipped" else ""
@@ -803,10 +936,18 @@ def main() -> None:
                         + ",".join(f"{x * 100:g}" for x in LOSSES) + " (default: all)")
     parser.add_argument("--logs", type=Path,
                         help="keep every worker's output (one JSON line per call) here")
+    parser.add_argument("--grid", nargs="?", const=",".join(map(str, GRID_WORLDS)),
+                        help="only Moshpit on a grid of groups of four, with these many peers "
+                        f"(default {','.join(map(str, GRID_WORLDS))}), every peer's downlink "
+                        "and uplink at 100 Mbit/s, 1M and 10M")
+    parser.add_argument("--grid-rate", type=float, default=GRID_RATE / 1e6,
+                        help="--grid: Mbit/s on every downlink and uplink (default %(default)g)")
     if len(sys.argv) > 2 and sys.argv[1] == "worker":
         worker(json.loads(sys.argv[2]))
         return
     args = parser.parse_args()
+    if args.grid and args.kinds == parser.get_default("kinds"):
+        args.kinds = ",".join(GRID_KINDS)
     kinds = [kind.strip() for kind in args.kinds.split(",") if kind.strip()]
     unknown = sorted(set(kinds) - set(KINDS))
     if unknown or not kinds:
@@ -828,7 +969,14 @@ def main() -> None:
     command = machine.command("benchmarks.collectives")
     started_at = datetime.datetime.now(datetime.UTC)
     started = time.monotonic()
-    groups = plan(args.quick, kinds, sizes, rates, losses)
+    try:
+        grid = [int(x) for x in args.grid.split(",")] if args.grid else []
+    except ValueError:
+        parser.error(f"--grid: expected comma-separated peer counts, got {args.grid!r}")
+    write = grid_report if grid else report
+    if grid and args.out == RESULTS:
+        args.out = GRID_RESULTS
+    groups = plan(args.quick, kinds, sizes, rates, losses, grid, args.grid_rate * 1e6)
     if not groups:
         parser.error("no cell left to run: --sizes, --rates and --losses exclude them all")
     total = sum(len(cells) for _, _, cells in groups)
@@ -839,8 +987,8 @@ def main() -> None:
             logs = args.logs or Path(tmp)
             logs.mkdir(parents=True, exist_ok=True)
             for rate, loss, cells in groups:
-                with Lab(WORLD, mtu=MTU) as lab:
-                    shape(lab, rate, loss)
+                with Lab(cells[0].world, mtu=MTU) as lab:
+                    shape(lab, rate, loss, cells[0].uplinks)
                     for cell in cells:
                         earlier = hopeless(cell, outcomes)
                         if earlier is not None:
@@ -856,15 +1004,15 @@ def main() -> None:
         if outcomes:  # what finished is kept, beside the results, never over them
             partial = args.out.with_suffix(".partial.md")
             partial.parent.mkdir(parents=True, exist_ok=True)
-            partial.write_text(report(outcomes, command, started_at, time.monotonic() - started,
-                                      note=f"Interrupted after {len(outcomes)} of {total} "
-                                      "cells: a partial run."))
+            partial.write_text(write(outcomes, command, started_at, time.monotonic() - started,
+                                     note=f"Interrupted after {len(outcomes)} of {total} "
+                                     "cells: a partial run."))
             print(f"interrupted; wrote {partial}", file=sys.stderr)
         raise SystemExit(130) from None
-    text = report(outcomes, command, started_at, time.monotonic() - started)
+    text = write(outcomes, command, started_at, time.monotonic() - started)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
-    for ok, line in targets(outcomes):
+    for ok, line in (grid_targets if grid else targets)(outcomes):
         print(f"{'PASS' if ok else 'FAIL' if ok is False else 'info'}: {line}", file=sys.stderr)
     print(f"wrote {args.out}", file=sys.stderr)
 

@@ -3,7 +3,8 @@ DropCompute under lognormal stragglers.
 
 Part 1: the same job (char-lm, data, Adam, steps) at 0, 10, 20 and 30% random loss on every
 link, over `lossy` (strategy sharded: the shard owners apply the optimizer; once per seed, as
-one run's change is noisy) and over `gloo` (strategy gradient) with TCP bbr and, last, TCP
+one run's change is noisy; `lossy+OPTION=VALUE+...` runs it with those collective options, so
+candidates sit side by side) and over `gloo` (strategy gradient) with TCP bbr and, last, TCP
 cubic. The figure: the final held-out perplexity's change against the same collective's
 lossless run and against gloo's lossless run with the same seed (exact, deterministic: the
 cleaner reference), and wall and step time.
@@ -14,7 +15,8 @@ namespaces; loss by the host's fallback shaping, nftables random drop), with a t
 Writes benchmarks/results/training.md after every cell.
 
     .venv/bin/python -m benchmarks.training [--quick] [--steps N] [--kinds K,..]
-        [--losses 0,10,..] [--seeds 11,12,..] [--timeout S] [--out PATH]
+        [--losses 0,10,..] [--seeds 11,12,..] [--timeout S] [--drift-every N]
+        [--drift-plot PNG] [--out PATH]
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import datetime
 import itertools
 import math
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -33,8 +36,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from benchmarks import machine
 from benchmarks.scenario_runs import fmt, run_scenario
+from testbed.collectives.registry import LossyOptions
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "training.md"
@@ -47,6 +53,7 @@ LOSSES = (0.0, 0.10, 0.20, 0.30)
 # Part-1 collectives ("lossy-gradient": lossy under strategy gradient, as gloo runs;
 # "lossy-resync": sharded with the broadcast over TCP every step, so no copy is ever stale and
 # only the gather loses contributions) and part 2
+# A lossy kind may carry options of the collective: lossy+parity=4+missed=last_update.
 KINDS = ("lossy", "lossy-gradient", "lossy-resync", "gloo-bbr", "gloo-cubic", "dropcompute")
 DEFAULT_KINDS = ("lossy", "gloo-bbr", "dropcompute", "gloo-cubic")
 JOB = {"model": "char-lm", "batch": 32, "optimizer": {"adam": {"lr": 3.0e-3}},
@@ -58,6 +65,29 @@ TIMEOUT = 360.0  # seconds for one run, start-up included
 QUICK_TIMEOUT = 120.0
 COLLECTIVE = {"lossy": "lossy (sharded)", "lossy-gradient": "lossy (gradient)",
               "lossy-resync": "lossy (sharded, resync every step)"}
+
+
+def split_kind(kind: str) -> tuple[str, dict[str, Any]]:
+    """`lossy+parity=4+settle=auto` -> ("lossy", {"parity": 4, "settle": "auto"}), the
+    options checked against the collective's (a bad one is named before anything runs)."""
+    base, *given = kind.split("+")
+    options: dict[str, Any] = {}
+    for item in given:
+        name, _, text = item.partition("=")
+        options[name] = yaml.safe_load(text)
+    if options:
+        if not base.startswith("lossy"):
+            raise ValueError(f"{kind}: only lossy kinds take options")
+        LossyOptions(**options)
+    return base, options
+
+
+def label(kind: str) -> str:
+    base, options = split_kind(kind)
+    name = COLLECTIVE.get(base, "gloo")
+    if options:
+        name = name[:-1] + ", " + ", ".join(f"{k}={v}" for k, v in options.items()) + ")"
+    return name
 AIM = 0.8  # percent: the paper's perplexity change at 10% loss (LLaMA2-7B)
 # Exact data-parallel training, and deterministic: its lossless run with a seed is the reference
 # for lossy's runs with that seed (lossy's own lossless result varies with arrival order).
@@ -77,17 +107,19 @@ class Cell:
     def name(self) -> str:
         if self.kind in ("sync", "dropcompute"):
             return self.kind
-        return f"{self.kind}-loss{round(self.loss * 100)}-seed{self.seed}"
+        kind = re.sub(r"[^A-Za-z0-9._-]", "-", self.kind)  # a scenario name's characters
+        return f"{kind}-loss{round(self.loss * 100)}-seed{self.seed}"
 
-    def scenario(self, steps: int) -> dict[str, Any]:
+    def scenario(self, steps: int, drift_every: int = 0) -> dict[str, Any]:
         """The scenario, as the YAML the runner loads."""
         job: dict[str, Any] = {**JOB, "steps": steps}
         topology: dict[str, Any] = {"congestion": "bbr"}
         collective: dict[str, Any] = {"kind": "gloo"}
-        if self.kind.startswith("lossy"):
-            job["strategy"] = "gradient" if self.kind == "lossy-gradient" else "sharded"
-            collective = {"kind": "lossy"}
-            if self.kind == "lossy-resync":
+        base, options = split_kind(self.kind)
+        if base.startswith("lossy"):
+            job["strategy"] = "gradient" if base == "lossy-gradient" else "sharded"
+            collective = {"kind": "lossy", **options}
+            if base == "lossy-resync":
                 collective["resync_every"] = 1
         elif self.kind.startswith("gloo"):
             topology["congestion"] = self.kind.split("-")[1]
@@ -100,7 +132,7 @@ class Cell:
             topology["default"] = {"loss": f"{round(self.loss * 100)}%"}
         return {"name": f"training-{self.name}", "seed": self.seed, "workers": WORLD,
                 "topology": topology, "job": job, "collective": collective,
-                "metrics": {"drift_every": 0}}
+                "metrics": {"drift_every": drift_every}}
 
 
 @dataclass
@@ -120,16 +152,19 @@ class Outcome:
     late: float = math.nan  # lossy: datagrams that came after their phase ended, all workers
     drop_rate: float = math.nan
     threshold: float = math.nan
+    bytes_per_step: float = math.nan  # sent per worker and step, headers included
+    drift: list[tuple[int, float]] = field(default_factory=list)  # (step, mean over workers)
     congestion: str = ""
     note: str = ""
     extra: dict[str, float] = field(default_factory=dict)
 
 
-def run_cell(cell: Cell, steps: int, timeout: float, workdir: Path) -> Outcome:
+def run_cell(cell: Cell, steps: int, timeout: float, workdir: Path,
+             drift_every: int = 0) -> Outcome:
     """Run the cell's scenario within `timeout`, read its figures from the run."""
     import numpy as np
 
-    ran = run_scenario(cell.scenario(steps), cell.name, workdir, timeout)
+    ran = run_scenario(cell.scenario(steps, drift_every), cell.name, workdir, timeout)
     outcome = Outcome(cell, ran.status, wall=ran.wall, note=ran.note)
     run = ran.run
     if run is None:
@@ -145,6 +180,12 @@ def run_cell(cell: Cell, steps: int, timeout: float, workdir: Path) -> Outcome:
         outcome.wait_seconds = float(np.nanmean(run.column("wait_seconds")))
         outcome.coverage = float(np.nanmean(run.column("coverage")))
         outcome.late = float(np.nansum(run.column("datagrams_late")))
+        outcome.bytes_per_step = float(np.nanmean(run.column("bytes_sent")))
+        drifts: dict[int, list[float]] = {}
+        for step in run.steps:
+            if step.drift is not None:
+                drifts.setdefault(step.step, []).append(step.drift)
+        outcome.drift = [(s, sum(d) / len(d)) for s, d in sorted(drifts.items())]
         outcome.drop_rate = summary.get("drop_rate") or 0.0
         thresholds = run.column("threshold_seconds")
         thresholds = thresholds[np.isfinite(thresholds)]
@@ -192,8 +233,8 @@ def loss_table(outcomes: list[Outcome]) -> list[str]:
     rows = [
         "| collective | transport | seed | loss | steps | perplexity | change vs 0% | "
         "vs exact 0% | held-out loss | mean step s | compute s | wait s | wall s | coverage | "
-        "late | status |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "late | kB sent/step | status |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for o in outcomes:
         if o.cell.kind in ("sync", "dropcompute"):
@@ -202,13 +243,14 @@ def loss_table(outcomes: list[Outcome]) -> list[str]:
         delta, exact = change(o, outcomes), change(o, outcomes, EXACT)
         transport = "UDP" if o.cell.kind.startswith("lossy") else f"TCP {o.congestion or '?'}"
         rows.append(
-            f"| {COLLECTIVE.get(o.cell.kind, 'gloo')} | {transport} | {o.cell.seed} | "
+            f"| {label(o.cell.kind)} | {transport} | {o.cell.seed} | "
             f"{o.cell.loss:.0%} | "
             f"{o.steps} | {fixed(o.perplexity)}{spread} | "
             f"{percent(delta)} | {percent(exact)} | {fixed(o.eval_loss)} | "
             f"{fmt(o.step_seconds)} | {fmt(o.compute_seconds)} | {fmt(o.wait_seconds)} | "
             f"{fmt(o.wall)} | {fmt(o.coverage)} | "
-            f"{fmt(o.late) if o.cell.kind.startswith('lossy') else '-'} | {status_text(o)} |")
+            f"{fmt(o.late) if o.cell.kind.startswith('lossy') else '-'} | "
+            f"{fmt(o.bytes_per_step / 1e3)} | {status_text(o)} |")
     return rows
 
 
@@ -235,10 +277,54 @@ def standard_error(values: list[float]) -> str:
     return f" ± {statistics.stdev(values) / math.sqrt(len(values)):.2f}"
 
 
+def part1_kinds(outcomes: list[Outcome]) -> list[str]:
+    """The part-1 kinds of this run, in the order they ran (lossy variants included)."""
+    return list(dict.fromkeys(o.cell.kind for o in outcomes
+                              if o.cell.kind not in ("sync", "dropcompute")))
+
+
+def seed_means(outcomes: list[Outcome], kind: str, against: str | None
+               ) -> dict[float, list[float]]:
+    """Per loss above 0, the perplexity changes of `kind`'s seeds (against the same seed's
+    lossless run of `against`, default the kind's own)."""
+    changes: dict[float, list[float]] = {}
+    for o in outcomes:
+        delta = change(o, outcomes, against)
+        if o.cell.kind == kind and o.cell.loss > 0 and math.isfinite(delta):
+            changes.setdefault(o.cell.loss, []).append(delta)
+    return dict(sorted(changes.items()))
+
+
+def candidates_table(outcomes: list[Outcome]) -> list[str]:
+    """Per lossy kind and loss, over its seeds: the perplexity change against the exact
+    lossless run (mean ± standard error), the step against the kind's own lossless step of the
+    same seed, and the bytes each worker sent per step."""
+    rows = ["| collective | loss | seeds | vs exact 0% (mean ± se) | range | step vs own 0% | "
+            "kB sent/step |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for kind in part1_kinds(outcomes):
+        if not kind.startswith("lossy"):
+            continue
+        changes = seed_means(outcomes, kind, EXACT)
+        for loss in sorted({o.cell.loss for o in outcomes if o.cell.kind == kind}):
+            done = [o for o in outcomes if o.cell.kind == kind and o.cell.loss == loss
+                    and o.status == "ok"]
+            ratios = [o.step_seconds / clean.step_seconds for o in done
+                      if (clean := baseline(outcomes, kind, o.cell.seed)) is not None]
+            delta = changes.get(loss, [])
+            perplexity = (f"{statistics.fmean(delta):+.2f}%{standard_error(delta)} | "
+                          f"{min(delta):+.2f}% to {max(delta):+.2f}%" if delta else "- | -")
+            step = f"{statistics.fmean(ratios):.2f}x" if ratios else "-"
+            sent = (fmt(statistics.fmean(o.bytes_per_step for o in done) / 1e3) if done
+                    else "-")
+            rows.append(f"| {label(kind)} | {loss:.0%} | {len(done)} | {perplexity} | {step} | "
+                        f"{sent} |")
+    return rows
+
+
 def observations(outcomes: list[Outcome]) -> list[str]:
     """Sentences drawn from this run's numbers only."""
     said: list[str] = []
-    for kind in KINDS[:-1]:
+    for kind in part1_kinds(outcomes):
         for seed in sorted({o.cell.seed for o in outcomes if o.cell.kind == kind}):
             clean = baseline(outcomes, kind, seed)
             lossy = [o for o in outcomes
@@ -255,15 +341,11 @@ def observations(outcomes: list[Outcome]) -> list[str]:
                     parts.append(f"{status_text(o)} at {o.cell.loss:.0%}")
             said.append(f"{kind}, seed {seed} (0%: perplexity {clean.perplexity:.3f}, step "
                         f"{clean.step_seconds:.3f} s): " + "; ".join(parts) + ".")
-    lossy_kinds = [kind for kind in KINDS if kind.startswith("lossy")]
+    lossy_kinds = [kind for kind in part1_kinds(outcomes) if kind.startswith("lossy")]
     for kind, (against, words) in itertools.product(lossy_kinds, (
             (None, "against its own lossless run"),
             (EXACT, f"against {EXACT}'s exact lossless run"))):
-        changes: dict[float, list[float]] = {}  # per loss, over the seeds
-        for o in outcomes:
-            delta = change(o, outcomes, against)
-            if o.cell.kind == kind and o.cell.loss > 0 and math.isfinite(delta):
-                changes.setdefault(o.cell.loss, []).append(delta)
+        changes = seed_means(outcomes, kind, against)
         if not changes:
             continue
         means = {loss: statistics.fmean(d) for loss, d in sorted(changes.items())}
@@ -310,7 +392,9 @@ def report(outcomes: list[Outcome], command: str, started: datetime.datetime, el
         "options (`lossy (gradient)`, where run: an all-reduce of the gradients as datagrams, "
         "a missing chunk filled with the worker's own, every worker applying Adam; `lossy "
         "(sharded, resync every step)`, where run: the broadcast over TCP every step, so no "
-        "copy is stale and only the gather loses contributions); `gloo` "
+        "copy is stale and only the gather loses contributions; `lossy (sharded, "
+        "OPTION=VALUE, ...)`: the same with those options of the collective, the candidates "
+        "against what loss costs, docs/collectives.md); `gloo` "
         "runs strategy `gradient` (all-reduce of the gradients over TCP) with "
         "the namespaces' TCP congestion control set to the one in the transport column (as "
         "the run's cluster event recorded it). Each run "
@@ -335,6 +419,13 @@ def report(outcomes: list[Outcome], command: str, started: datetime.datetime, el
         "",
         *loss_table(outcomes),
         "",
+        "Per lossy collective and loss, over the seeds: the perplexity change against "
+        f"{EXACT}'s exact lossless run of the same seed, the mean step against the same "
+        "collective's lossless step of the same seed, and what each worker sent per step "
+        "(datagram headers included).",
+        "",
+        *candidates_table(outcomes),
+        "",
         "## Part 2: DropCompute under lognormal stragglers",
         "",
         f"The same model, no loss, gloo (bbr), {MICRO_BATCHES} micro-batches of "
@@ -356,11 +447,12 @@ def report(outcomes: list[Outcome], command: str, started: datetime.datetime, el
 
 
 def plan(kinds: list[str], losses: list[float], median: str,
-         seeds: Sequence[int] = SEEDS) -> list[Cell]:
+         seeds: Sequence[int] = SEEDS, reference_only: bool = False) -> list[Cell]:
     """The cells in the order of `kinds`, each part-1 collective at every loss: lossy's once
     per seed (a seed's lossless run next to its lossy ones), EXACT's lossless run once per
     seed (the exact reference), the rest of gloo's and part 2's with the first seed (gloo is
-    exact: its result does not depend on the loss)."""
+    exact: its result does not depend on the loss). `reference_only`: EXACT only for its
+    lossless runs."""
     cells: list[Cell] = []
     for kind in kinds:
         if kind == "dropcompute":
@@ -370,6 +462,7 @@ def plan(kinds: list[str], losses: list[float], median: str,
             cells += [Cell(kind, loss, seed=seed) for seed in seeds for loss in losses]
         else:
             cells += [Cell(kind, loss, seed=seed) for loss in losses
+                      if not (reference_only and kind == EXACT and loss)
                       for seed in (seeds if kind == EXACT and loss == 0 else seeds[:1])]
     return cells
 
@@ -393,13 +486,23 @@ def main() -> None:
                         f"lossy's cells and {EXACT}'s lossless one run once per seed, the "
                         "others with the first "
                         "(default: %(default)s)")
+    parser.add_argument("--reference-only", action="store_true",
+                        help=f"run {EXACT} only for its lossless reference runs")
+    parser.add_argument("--drift-every", type=int, default=0,
+                        help="measure parameter drift every N steps (0: never)")
+    parser.add_argument("--drift-plot", type=Path,
+                        help="plot each lossy cell's drift over the steps here (PNG)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     kinds = [kind.strip() for kind in args.kinds.split(",") if kind.strip()]
-    unknown = sorted(set(kinds) - set(KINDS))
+    try:
+        unknown = sorted({kind for kind in kinds if split_kind(kind)[0] not in KINDS})
+    except ValueError as error:
+        parser.error(f"--kinds: {error}")
     losses = [float(x) / 100 for x in args.losses.split(",") if x.strip()]
     if unknown or not kinds:
-        parser.error(f"--kinds: expected some of {', '.join(KINDS)}, got {args.kinds!r}")
+        parser.error(f"--kinds: expected some of {', '.join(KINDS)} (lossy kinds with "
+                     f"+OPTION=VALUE), got {args.kinds!r}")
     if os.geteuid() != 0:
         raise SystemExit("needs root: network namespaces and shaping")
     steps = args.steps or (QUICK_STEPS if args.quick else STEPS)
@@ -413,7 +516,7 @@ def main() -> None:
         seeds = []
     if not seeds:
         parser.error(f"--seeds: expected comma-separated integers, got {args.seeds!r}")
-    cells = plan(kinds, losses, args.straggler_median, seeds)
+    cells = plan(kinds, losses, args.straggler_median, seeds, args.reference_only)
     outcomes: list[Outcome] = []
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="tb-training-") as tmp:
@@ -424,7 +527,7 @@ def main() -> None:
                 outcome = Outcome(cell, "skipped",
                                   note=f"timed out at {given_up.cell.loss:.0%}")
             else:
-                outcome = run_cell(cell, steps, timeout, Path(tmp))
+                outcome = run_cell(cell, steps, timeout, Path(tmp), args.drift_every)
             outcomes.append(outcome)
             print(f"[{number}/{len(cells)} {(time.monotonic() - started) / 60:.1f} min] "
                   f"{cell.name}: {status_text(outcome)}, perplexity {fmt(outcome.perplexity, 4)}"
@@ -439,6 +542,33 @@ def main() -> None:
                   args.straggler_median, seeds)
     print(text)
     print(f"wrote {args.out}", file=sys.stderr)
+    if args.drift_plot is not None:
+        plot_drift(outcomes, args.drift_plot)
+        print(f"wrote {args.drift_plot}", file=sys.stderr)
+
+
+def plot_drift(outcomes: list[Outcome], path: Path) -> None:
+    """Each lossy cell's drift (mean over the workers) against the step, one line per cell."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(9, 4.5))
+    for o in outcomes:
+        if o.drift and o.cell.kind.startswith("lossy") and o.cell.loss > 0:
+            steps, values = zip(*o.drift, strict=True)
+            axes.plot(steps, values, linewidth=0.8,
+                      label=f"{label(o.cell.kind)}, {o.cell.loss:.0%} loss, seed {o.cell.seed}")
+    axes.set_xlabel("step")
+    axes.set_ylabel("drift: ||theta_r - mean|| / ||mean||, mean over workers")
+    axes.set_yscale("log")
+    axes.legend(fontsize=7)
+    axes.grid(alpha=0.3)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
 
 
 if __name__ == "__main__":

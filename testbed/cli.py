@@ -919,7 +919,7 @@ def moshpit_peer(
     serve_store: Annotated[bool, typer.Option(help="Host the store here.")] = False,
     listen: Annotated[str, typer.Option(help="This peer's address.")] = "127.0.0.1",
     group_size: Annotated[int, typer.Option(help="Peers per group.")] = 4,
-    timeout: Annotated[float, typer.Option(help="Seconds per phase of a round.")] = 5.0,
+    timeout: Annotated[float, typer.Option(help="Seconds a call may take.")] = 5.0,
     heartbeat: Annotated[float, typer.Option(help="Seconds between signs of life.")] = 1.0,
     steps: Annotated[int, typer.Option(help="All-reduces to run.")] = 10,
     numel: Annotated[int, typer.Option(help="Values per all-reduce.")] = 100_000,

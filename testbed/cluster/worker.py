@@ -472,6 +472,8 @@ class Worker:
                 vector = parameters_to_vector(job.parameters).detach()
                 measured = self._exchange(exchange, metrics, scenario, step, vector, computes)
                 computes.clear()
+                if scenario.metrics.dump_parameters:
+                    writer.parameters(step, vector.numpy())
             metrics.record_step(record)
             metrics.observe_transport(collective)
             writer.step(record, drift=measured.relative if measured else None)

@@ -73,18 +73,25 @@ class ChunkAccumulator:
         return self.weight.clone()
 
     def mean(self, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Per-chunk weighted mean of what arrived; chunks nobody sent stay zero. Divides chunk
-        by chunk in place of a per-element divisor, into `out` (contiguous, `numel` long; it
-        may be `total` itself) or a new tensor."""
-        weight = self.weight.clamp_min(1e-12).to(self.total.dtype)
-        whole = self.numel // self.chunk_numel  # chunks of full length; one shorter may follow
-        split = whole * self.chunk_numel
+        """Per-chunk weighted mean of what arrived; chunks nobody sent stay zero. Into `out`
+        (contiguous, `numel` long; it may be `total` itself) or a new tensor."""
         out = torch.empty_like(self.total) if out is None else out
-        torch.div(self.total[:split].view(whole, self.chunk_numel), weight[:whole, None],
-                  out=out[:split].view(whole, self.chunk_numel))
-        if split < self.numel:
-            torch.div(self.total[split:], weight[whole], out=out[split:])
-        return out
+        return divide_by_chunk(self.total, self.weight.clamp_min(1e-12), self.chunk_numel, out)
+
+
+def divide_by_chunk(values: torch.Tensor, divisor: torch.Tensor, chunk_numel: int,
+                    out: torch.Tensor) -> torch.Tensor:
+    """`values` (flat, contiguous) divided chunk by chunk: element i by divisor[i //
+    chunk_numel], into `out` (may be `values` itself), without a per-element divisor."""
+    divisor = divisor.to(values.dtype)
+    numel = values.numel()
+    whole = numel // chunk_numel  # chunks of full length; one shorter may follow
+    split = whole * chunk_numel
+    torch.div(values[:split].view(whole, chunk_numel), divisor[:whole, None],
+              out=out[:split].view(whole, chunk_numel))
+    if split < numel:
+        torch.div(values[split:], divisor[whole], out=out[split:])
+    return out
 
 
 @dataclass
@@ -130,3 +137,31 @@ class AdaptiveDeadline:
         """
         late = max(last_arrival, self.seconds * self.margin)
         self.history.append(late if late_chunks else last_arrival)
+
+
+@dataclass
+class AdaptiveSettle:
+    """How long a phase waits in quiet once every sender's stream ended, before it takes
+    what is missing for lost (`collect(settle=)`), learned from what came late. A chunk that
+    comes after its phase closed was not lost but cut off: a call that saw such late
+    datagrams doubles the wait (up to `ceiling`, where it starts); each call without shortens
+    it by `shrink` (down to `floor`). On links that keep a stream in order nothing is late,
+    and the wait falls to the floor: under loss a phase then ends about as soon as its data
+    stops coming."""
+
+    floor: float = 0.001
+    ceiling: float = 0.01
+    shrink: float = 0.8
+    seconds: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.floor <= self.ceiling or not 0 < self.shrink < 1:
+            raise ValueError("settle: needs 0 < floor <= ceiling and 0 < shrink < 1")
+        self.seconds = self.ceiling
+
+    def observe(self, late_chunks: int) -> None:
+        """Record a call: how many of this phase's datagrams came after their call closed."""
+        if late_chunks:
+            self.seconds = min(self.ceiling, 2 * self.seconds)
+        else:
+            self.seconds = max(self.floor, self.shrink * self.seconds)

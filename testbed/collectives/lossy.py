@@ -11,7 +11,10 @@ shard k. One call has two phases:
    (`allreduce`) or the fresh parameters its optimizer made from it (`step`), with each
    chunk's contribution count appended so receivers know their coverage. A worker that misses
    a chunk keeps its own value there (its gradient, or its stale parameters) until a later
-   broadcast overwrites it: copies lag where broadcasts were lost, they never diverge.
+   broadcast overwrites it: copies lag where broadcasts were lost, they never diverge. Options
+   narrow that: XOR parity chunks that rebuild a lost chunk (`parity`), a request for what
+   did not come (`resend`), and for parameters a best estimate in place of the stale value
+   (`missed`).
 
 Chunks land where they belong as they are read, with no per-peer copies: gradient chunks are
 added into the owner's running sums, broadcast chunks are written into the owner's slice of the
@@ -45,11 +48,17 @@ import numpy as np
 import torch
 
 from testbed.collectives.base import AllReduceStats, CollectiveBase, Update
-from testbed.collectives.estimate import AdaptiveDeadline, ChunkAccumulator
+from testbed.collectives.estimate import AdaptiveDeadline, AdaptiveSettle, ChunkAccumulator
+from testbed.collectives.parity import parity_chunks, repair, xor_parity
 from testbed.transport.tcp import Listener, StreamMesh
-from testbed.transport.tensors import codec_of, values_of
-from testbed.transport.udp import DatagramEndpoint, Landing, Sink, chunk_count
+from testbed.transport.tensors import bits, codec_of, values_of
+from testbed.transport.udp import PHASES, DatagramEndpoint, Landing, Sink, chunk_count
 from testbed.transport.wire import BUCKETS, Codec, Kind
+
+# What a worker's copy holds where it missed a chunk of an owner's parameter broadcast (`step`):
+# its stale value, that plus the last per-step update it received there, or that plus the
+# update its own optimizer makes of its local gradient there.
+MISSED = ("keep", "last_update", "local")
 
 
 @dataclass(frozen=True)
@@ -82,9 +91,14 @@ class LossyStats(AllReduceStats):
     time. Per peer, both phases: `missing` chunks that had not come by the deadline (lost,
     late, malformed or discarded by a test loss model), `late` datagrams that came after their
     call had closed (the deadline was too short), `lost` datagrams that the peer's sequence
-    numbers say never came (the transport's count, whatever dropped them)."""
+    numbers say never came (the transport's count, whatever dropped them). Per chunk, which
+    came in time: `gathered[peer]`, of the peer's contribution to this worker's own shard;
+    `received[owner]`, of the owner's broadcast (its shard's chunks, then those carrying the
+    counts): the records a result can be rebuilt from exactly."""
 
     chunk_coverage: torch.Tensor = field(default_factory=lambda: torch.ones(1))
+    gathered: dict[int, np.ndarray] = field(default_factory=dict)
+    received: dict[int, np.ndarray] = field(default_factory=dict)
     missing: dict[int, int] = field(default_factory=dict)
     late: dict[int, int] = field(default_factory=dict)
     lost: dict[int, int] = field(default_factory=dict)
@@ -110,8 +124,11 @@ class Lossy(CollectiveBase):
         deadline_floor: float = 0.02,
         deadline_ceiling: float = 5.0,
         straggler_timeout: float = 5.0,
-        settle: float | None = 0.01,
+        settle: float | str | None = 0.01,
         resync_every: int = 0,
+        parity: int = 0,
+        missed: str = "keep",
+        resend: bool = False,
         stream_addresses: Sequence[tuple[str, int]] | None = None,
         congestion: str | None = None,
         timeout: float = 30.0,
@@ -126,7 +143,14 @@ class Lossy(CollectiveBase):
         `deadline_*` bound and seed the transfer deadline (seconds from a peer's first chunk of
         a phase); `straggler_timeout` is how long a peer's first chunk is waited for. With
         `settle` (seconds) ends a phase once every sender's stream has ended and nothing came
-        for that long (the rest was lost; None waits to the deadline). The workers meet over
+        for that long (the rest was lost; None waits to the deadline; "auto" learns it between
+        1 and 10 ms from what came late). With `parity` G > 0 every broadcast carries an XOR
+        parity chunk per G chunks, from which a receiver rebuilds a chunk that is the only one
+        of its group lost. `missed` says what a copy holds where a parameter broadcast chunk
+        was missed (`step`; MISSED): its stale value, or that plus the last update it received
+        there, or plus its own optimizer's update of its local gradient. With `resend`, a
+        worker asks each owner once for the broadcast chunks it lacks, and gets them again
+        within the call. The workers meet over
         TCP at `stream_addresses` (default: `addresses`; TCP ports are apart from UDP's), with
         `congestion` control and `timeout` per message, before the first datagram, waiting up to
         `rendezvous_timeout` for all of them (ranks may arrive minutes apart: a DDP script
@@ -152,9 +176,15 @@ class Lossy(CollectiveBase):
             )
         if straggler_timeout <= 0:
             raise ValueError(f"straggler_timeout: expected seconds > 0, got {straggler_timeout}")
-        if settle is not None and settle <= 0:
-            raise ValueError(f"settle: expected seconds > 0 or None (wait to the deadline), "
-                             f"got {settle}")
+        if settle is not None and settle != "auto" and (
+                not isinstance(settle, int | float) or settle <= 0):
+            raise ValueError(f"settle: expected seconds > 0, 'auto' (learned) or None (wait to "
+                             f"the deadline), got {settle!r}")
+        if parity < 0:
+            raise ValueError(f"parity: expected 0 (none) or the chunks per parity chunk, got "
+                             f"{parity}")
+        if missed not in MISSED:
+            raise ValueError(f"missed: expected one of {', '.join(MISSED)}, got {missed!r}")
         if resync_every < 0:
             raise ValueError(f"resync_every: expected 0 (never) or more, got {resync_every}")
         if rejoining and resync_every:
@@ -162,14 +192,20 @@ class Lossy(CollectiveBase):
                              "over; use 0")
         self.rank, self.world, self.timeout = rank, world, timeout
         self.resync_every, self.test_loss, self.settle = resync_every, test_loss, settle
-        self.straggler_timeout = straggler_timeout
+        self.straggler_timeout, self.parity, self.missed = straggler_timeout, parity, missed
+        self.resend = resend
+        # Per phase, the settle learned from late datagrams (settle "auto").
+        self._settles = {kind: AdaptiveSettle() for kind in PHASES}
+        # missed "last_update": per other owner, the last per-step update received for each
+        # element of its shard, and per chunk the steps missed since then.
+        self._updates: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         # Peers in the order of the rounds: at round i a worker sends to rank + i and hears
         # from rank - i, so reliable broadcasts pair up and never wait on each other.
         self.peers = [(rank + i) % world for i in range(1, world)]
-        self.gather_deadline, self.broadcast_deadline = (
+        self.gather_deadline, self.broadcast_deadline, self.repair_deadline = (
             AdaptiveDeadline(floor=deadline_floor, ceiling=deadline_ceiling,
                              initial=deadline_initial)
-            for _ in range(2)
+            for _ in range(3)
         )
         self._step, self._in_step = -1, 0  # calls within one step are numbered (the bucket)
         # Peers that sent nothing in time, with their received-datagram count then: they are
@@ -275,16 +311,23 @@ class Lossy(CollectiveBase):
 
         gather_keep = self._open(Kind.GRADIENT, step, bucket, {
             peer: _Accumulating(accumulator, codec) for peer in self.peers})
-        broadcast_keep = {} if reliable else self._open(Kind.PARAMETER, step, bucket, {
-            owner: Landing([result[starts[owner]:starts[owner + 1]], counts[owner]],
-                           broadcast_numel) for owner in self.peers})
+        group = 0 if reliable else self.parity
+        # Per other owner, where its broadcast lands: its shard of the result and its counts,
+        # then with parity the padding to a whole chunk and the parity chunks.
+        parities = {owner: self._parity_buffer(
+            sizes[owner] + counts[owner].numel(), broadcast_numel, group, result.dtype)
+            for owner in self.peers}
+        landings = {owner: Landing([result[starts[owner]:starts[owner + 1]], counts[owner],
+                                    *parities[owner]], broadcast_numel)
+                    for owner in self.peers}
+        broadcast_keep = {} if reliable else self._open(Kind.PARAMETER, step, bucket, landings)
         try:
             self.endpoint.send_tensors(Kind.GRADIENT, step, bucket,
                                        {peer: shards[peer] for peer in self.peers})
             gather_deadline = self.gather_deadline.seconds
             gather_arrived = self._collect(Kind.GRADIENT, step, bucket, gather_keep, started,
                                            gather_deadline, self.gather_deadline)
-            gathered = time.monotonic()
+            gather_ended = time.monotonic()
             own = result[mine]
             if update is None:
                 accumulator.mean(out=own)
@@ -299,15 +342,34 @@ class Lossy(CollectiveBase):
                 broadcast_arrived = self._broadcast_reliably(
                     result, counts, own_counts, step, bucket, starts, broadcast_numel)
             else:
+                message = (own, own_counts, *self._with_parity(own, own_counts, broadcast_numel,
+                                                               group))
                 self.endpoint.send_tensors(Kind.PARAMETER, step, bucket,
-                                           dict.fromkeys(self.peers, (own, own_counts)))
+                                           dict.fromkeys(self.peers, message))
                 broadcast_arrived = self._collect(
                     Kind.PARAMETER, step, bucket, broadcast_keep, broadcasting,
                     broadcast_deadline, self.broadcast_deadline)
             broadcast = time.monotonic()
+            rebuilt = resent = 0
+            data_chunks = {owner: chunk_count(sizes[owner] + counts[owner].numel(),
+                                              broadcast_numel) for owner in self.peers}
+            if group:
+                for owner, (_, parity) in parities.items():
+                    rebuilt += len(repair(landings[owner], broadcast_arrived[owner],
+                                          bits(parity).reshape(-1, broadcast_numel),
+                                          data_chunks[owner], group))
+            if self.resend and not reliable:
+                resent = self._resend(step, bucket, landings, broadcast_arrived, message,
+                                      data_chunks,
+                                      chunk_count(own.numel() + own_counts.numel(),
+                                                  broadcast_numel))
         finally:  # a call that failed leaves no key open to land in its tensors
             self.endpoint.close_key(Kind.GRADIENT, step, bucket)
             self.endpoint.close_key(Kind.PARAMETER, step, bucket)
+
+        if update is not None and self.missed != "keep":
+            self._stand_in(result, fallback, contribution, broadcast_arrived, starts,
+                           broadcast_numel, update)
 
         # Per chunk of each other owner's shard: how many workers' values are in `result` there.
         contributions = {}
@@ -343,7 +405,7 @@ class Lossy(CollectiveBase):
             coverage=elements / (self.world * max(1, contribution.numel())),
             peers_missing=absent,
             extra={
-                "gather_seconds": gathered - started,
+                "gather_seconds": gather_ended - started,
                 "broadcast_seconds": broadcast - broadcasting,
                 "deadline_seconds": gather_deadline,
                 "broadcast_deadline_seconds": broadcast_deadline,
@@ -356,15 +418,20 @@ class Lossy(CollectiveBase):
                 "rcvbuf_drops": float(after.rcvbuf_drops - before.rcvbuf_drops),
                 "resync": float(reliable),
                 "peers_absent": float(len(self._absent)),
+                "chunks_rebuilt": float(rebuilt),
+                "chunks_resent": float(resent),
             },
-            chunk_coverage=own_coverage,
+            chunk_coverage=own_coverage, gathered=gather_arrived, received=broadcast_arrived,
             missing=missing, late=late, lost=lost,
         )
 
-    def _open(self, kind: Kind, step: int, bucket: int,
-              sinks: Mapping[int, Sink]) -> dict[int, np.ndarray]:
-        """Open (kind, step, bucket) with a sink per sender; per sender, which of its chunks
-        count (all, but for those a test loss model discards: they never reach the sink)."""
+    def _open(self, kind: Kind, step: int, bucket: int, sinks: Mapping[int, Sink | torch.Tensor],
+              present: Mapping[int, np.ndarray] | None = None) -> dict[int, np.ndarray]:
+        """Open (kind, step, bucket) with a sink per sender (`present`: the chunks in hand
+        already, see `DatagramEndpoint.open`); per sender, which of its chunks count (all, but
+        for those a test loss model discards: they never reach the sink)."""
+        sinks = {sender: Landing([sink], self.endpoint.chunk_numel(codec_of(sink.dtype)))
+                 if isinstance(sink, torch.Tensor) else sink for sender, sink in sinks.items()}
         keep = {}
         for sender, sink in sinks.items():
             count = chunk_count(sink.numel, self.endpoint.chunk_numel(sink.codec))
@@ -373,8 +440,49 @@ class Lossy(CollectiveBase):
                 keep[sender] &= ~self.test_loss.lost(kind, step, bucket, sender, self.rank, count)
         self.endpoint.open(kind, step, bucket, {sender: len(k) for sender, k in keep.items()},
                            into={sender: _Kept(sink, keep[sender]) if not keep[sender].all()
-                                 else sink for sender, sink in sinks.items()})
+                                 else sink for sender, sink in sinks.items()}, present=present)
         return keep
+
+    def _resend(self, step: int, bucket: int, landings: Mapping[int, Landing],
+                arrived: dict[int, np.ndarray], message: Sequence[torch.Tensor],
+                data_chunks: Mapping[int, int], mine: int) -> int:
+        """Ask every owner once for the data chunks of its broadcast that this worker lacks (a
+        CONTROL message: a bitmap of them, sent even when empty, so no owner waits for it),
+        send every peer again what it asked of this worker's broadcast (`message`, of `mine`
+        data chunks) as REPAIR datagrams, and land what comes back into `landings`, within the
+        repair deadline (learned like the others). `arrived` gets the chunks that came so;
+        returns how many."""
+        started = time.monotonic()
+        asks = {peer: torch.zeros(-(-mine // 8), dtype=torch.uint8) for peer in self.peers}
+        ask_keep = self._open(Kind.CONTROL, step, bucket, asks)
+        lacking = [owner for owner in self.peers if not arrived[owner][:data_chunks[owner]].all()]
+        present = {owner: arrived[owner].copy() for owner in lacking}
+        for owner, here in present.items():  # parity chunks are not sent again
+            here[data_chunks[owner]:] = True
+        repair_keep = self._open(Kind.REPAIR, step, bucket,
+                                 {owner: landings[owner] for owner in lacking}, present=present)
+        try:
+            self.endpoint.send_tensors(Kind.CONTROL, step, bucket, {
+                owner: np.packbits(~arrived[owner][:data_chunks[owner]])
+                for owner in self.peers})
+            deadline = self.repair_deadline.seconds
+            asked = self._collect(Kind.CONTROL, step, bucket, ask_keep, started, deadline,
+                                  self.repair_deadline, patience=deadline)
+            wanted = {peer: np.flatnonzero(np.unpackbits(asks[peer].numpy())[:mine])
+                      for peer in self.peers if asked[peer].all()}
+            self.endpoint.send_tensors(Kind.REPAIR, step, bucket,
+                                       dict.fromkeys(wanted, message), only=wanted)
+            self.endpoint.announce(Kind.REPAIR, step, bucket, self.peers)  # all sent
+            came = self._collect(Kind.REPAIR, step, bucket, repair_keep, time.monotonic(),
+                                 deadline, self.repair_deadline, patience=deadline)
+        finally:
+            self.endpoint.close_key(Kind.CONTROL, step, bucket)
+            self.endpoint.close_key(Kind.REPAIR, step, bucket)
+        resent = 0
+        for owner, got in came.items():
+            resent += int((got & ~arrived[owner]).sum())
+            arrived[owner] |= got
+        return resent
 
     def _broadcast_reliably(
         self, result: torch.Tensor, counts: Mapping[int, torch.Tensor], own_counts: torch.Tensor,
@@ -409,28 +517,86 @@ class Lossy(CollectiveBase):
     def _collect(
         self, kind: Kind, step: int, bucket: int, keep: Mapping[int, np.ndarray],
         started: float, transfer: float, learner: AdaptiveDeadline,
+        patience: float | None = None,
     ) -> dict[int, np.ndarray]:
         """Wait for the opened (kind, step, bucket), saying where this worker is meanwhile: a
-        present sender that is behind up to `straggler_timeout` after `started`, an absent
-        one not at all, and each stream for `transfer` seconds from its first chunk (or from
-        when its sender was seen past it). Per sender, which of its chunks came and count
-        (`keep`). Teaches `learner` how long the streams took; marks who sent nothing."""
+        present sender that is behind up to `patience` (default `straggler_timeout`) after
+        `started`, an absent one not at all, and each stream for `transfer` seconds from its
+        first chunk (or from when its sender was seen past it). Per sender, which of its chunks
+        came and count (`keep`). Teaches `learner` how long the streams took; marks who sent
+        nothing."""
+        patience = self.straggler_timeout if patience is None else patience
         start_by = {sender: started if sender in self._absent
-                    else started + self.straggler_timeout for sender in keep}
+                    else started + patience for sender in keep}
+        learned = self._settles[kind]
         collected = self.endpoint.collect(
-            kind, step, bucket, None, started + self.straggler_timeout + transfer,
-            settle=self.settle, transfer=transfer, start_by=start_by, announce=True)
+            kind, step, bucket, None, started + patience + transfer,
+            settle=learned.seconds if self.settle == "auto" else self.settle,
+            transfer=transfer, start_by=start_by, announce=True)
         first = collected.first_arrivals
         present = [s for s in first if s not in self._absent]
+        late = sum(collected.late_from.get(s, 0) for s in present)
+        learned.observe(late)
         if present:
             took = max(collected.last_arrivals[s] - first[s] for s in present)
-            learner.observe(took, sum(collected.late_from.get(s, 0) for s in present))
+            learner.observe(took, late)
         silent = [s for s in keep if s not in first and s not in collected.reached]
         if silent:
             received = self._counters().received
             for sender in silent:
                 self._absent.setdefault(sender, received.get(sender, 0))
         return {sender: collected.arrived[sender] & kept for sender, kept in keep.items()}
+
+    @staticmethod
+    def _parity_buffer(numel: int, chunk_numel: int, group: int,
+                       dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """Where a broadcast of `numel` elements (a shard and its counts) with parity lands
+        past them: the padding to a whole chunk, then its parity chunks (nothing without)."""
+        if not group:
+            return ()
+        chunks = chunk_count(numel, chunk_numel)
+        return (torch.empty(chunks * chunk_numel - numel, dtype=dtype),
+                torch.empty(parity_chunks(chunks, group) * chunk_numel, dtype=dtype))
+
+    @staticmethod
+    def _with_parity(own: torch.Tensor, own_counts: torch.Tensor, chunk_numel: int,
+                     group: int) -> tuple[torch.Tensor, ...]:
+        """What an owner's broadcast carries after its shard and counts: with parity, zero
+        padding to a whole chunk and the XOR parity of every `group` chunks."""
+        if not group:
+            return ()
+        numel = own.numel() + own_counts.numel()
+        pad = torch.zeros(chunk_count(numel, chunk_numel) * chunk_numel - numel,
+                          dtype=own.dtype)
+        parity = xor_parity([bits(part) for part in (own, own_counts, pad) if part.numel()],
+                            chunk_numel, group)
+        return pad, torch.from_numpy(parity.reshape(-1)).view(own.dtype)
+
+    def _stand_in(self, result: torch.Tensor, held: torch.Tensor, gradient: torch.Tensor,
+                  arrived: Mapping[int, np.ndarray], starts: Sequence[int], chunk_numel: int,
+                  update: Update) -> None:
+        """Where this worker missed an owner's chunk, put its best estimate of the owner's new
+        parameters instead of the stale ones it holds (`missed`): those plus the last per-step
+        update it received there, or plus its own optimizer's update of its local gradient."""
+        for owner in self.peers:
+            shard = slice(starts[owner], starts[owner + 1])
+            numel = shard.stop - shard.start
+            came = torch.from_numpy(arrived[owner][:chunk_count(numel, chunk_numel)])
+            where = came.repeat_interleave(chunk_numel)[:numel]
+            values, before = result[shard], held[shard]
+            if self.missed == "local":  # called every step: the local moments stay current
+                estimate = update(shard.start, before, gradient[shard])
+                values.copy_(torch.where(where, values, estimate))
+                continue
+            last, behind = self._updates.get(owner, (None, None))
+            if last is None or last.numel() != numel:
+                last = torch.zeros(numel, dtype=result.dtype)
+                behind = torch.zeros(len(came), dtype=result.dtype)
+            steps = behind.repeat_interleave(chunk_numel)[:numel]
+            # where it came: the owner's update per step since the last one received here
+            last = torch.where(where, (values - (before - steps * last)) / (steps + 1), last)
+            values.copy_(torch.where(where, values, before + last))
+            self._updates[owner] = (last, torch.where(came, 0.0, behind + 1))
 
     def _notice_returns(self, received: Mapping[int, int]) -> None:
         """An absent peer whose datagrams came again (even late ones) is waited for again."""

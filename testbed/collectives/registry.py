@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat
 
 from testbed.collectives.base import Capabilities
 
@@ -33,6 +33,11 @@ class CollectiveOptions(BaseModel):
     def rejoin_problem(self, compressor: str) -> str | None:
         """Why a restarted worker could not rejoin with these options and `compressor`
         (None: it can, if the kind `takes_back` at all)."""
+        return None
+
+    def strategy_problem(self, strategy: str) -> tuple[str, str] | None:
+        """(the option, why) where these options do not fit the job's `strategy` (None: they
+        do)."""
         return None
 
 
@@ -139,8 +144,9 @@ class GlooOptions(CollectiveOptions):
 class MoshpitOptions(CollectiveOptions):
     group_size: int = Field(default=4, ge=1, description="Peers per group: the virtual grid's "
                             "side.")
-    timeout: float = Field(default=5.0, gt=0, description="Seconds each phase of a round waits "
-                           "for a peer before leaving it out.")
+    timeout: float = Field(default=5.0, gt=0, description="Seconds a call may take (it "
+                           "returns within this plus 0.25 s): peers not there in time are "
+                           "left out. At least twice what a call takes when nothing fails.")
     heartbeat: float = Field(default=1.0, gt=0, description="Seconds between a peer's signs of "
                              "life in the membership.")
     expiry: float | None = Field(default=None, gt=0, description="Seconds of silence after "
@@ -163,13 +169,31 @@ class LossyOptions(CollectiveOptions):
     straggler_timeout: float = Field(default=5.0, gt=0, description="Seconds a peer that is "
                                      "behind (its first chunk of a phase not yet sent) is "
                                      "waited for.")
-    settle: float | None = Field(default=0.01, gt=0, description="Seconds of quiet after every "
-                                 "sender's stream ended before a phase closes (null: wait to "
-                                 "the deadline).")
+    settle: PositiveFloat | Literal["auto"] | None = Field(
+        default=0.01, description="Seconds of quiet after every sender's stream ended before a "
+        "phase closes (auto: learned between 1 and 10 ms from what came late; null: wait to "
+        "the deadline).")
     resync_every: int = Field(default=0, ge=0, description="Every N steps the broadcast goes "
                               "reliably over TCP, so every copy is exact again (0: never).")
+    parity: int = Field(default=0, ge=0, description="Broadcast chunks per XOR parity chunk, "
+                        "from which a receiver rebuilds one lost chunk of each group (0: no "
+                        "parity; 1: every chunk twice). Costs 1/parity more broadcast bytes.")
+    missed: Literal["keep", "last_update", "local"] = Field(
+        default="keep", description="What a worker's copy holds where it missed a chunk of an "
+        "owner's parameter broadcast (strategy sharded): keep (its stale value), last_update "
+        "(that plus the last update it received there, per step missed), local (that plus its "
+        "own optimizer's update of its local gradient).")
+    resend: bool = Field(default=False, description="After the broadcast, every worker asks "
+                         "each owner once for the chunks it lacks and gets them again within "
+                         "the call (two more exchanges per call).")
     timeout: float = Field(default=30.0, gt=0, description=TIMEOUT_HELP)
     rendezvous_timeout: float = Field(default=300.0, gt=0, description=RENDEZVOUS_HELP)
+
+    def strategy_problem(self, strategy: str) -> tuple[str, str] | None:
+        if self.missed != "keep" and strategy != "sharded":
+            return ("missed", f"{self.missed} fills in the parameters the owners broadcast, "
+                    f"which only strategy sharded has; with strategy {strategy} use keep")
+        return None
 
     def rejoin_problem(self, compressor: str) -> str | None:
         if self.resync_every:

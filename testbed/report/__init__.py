@@ -11,7 +11,14 @@ from __future__ import annotations
 from typing import Any
 
 from testbed.report.events import EndEvent, FaultEvent, LinkEvent, RunEvent, StepEvent
-from testbed.report.run import Run, RunError, describe_runs, load_run, summarize
+from testbed.report.run import (
+    Run,
+    RunError,
+    describe_runs,
+    load_run,
+    parameter_dumps,
+    summarize,
+)
 from testbed.report.writer import RunWriter, write_summary
 
 __all__ = [
@@ -25,6 +32,7 @@ __all__ = [
     "StepEvent",
     "describe_runs",
     "load_run",
+    "parameter_dumps",
     "render_comparison",
     "render_run",
     "summarize",

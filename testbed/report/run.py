@@ -33,6 +33,7 @@ EVENTS_GLOB = "events*.jsonl"
 SCENARIO = "scenario.yaml"
 SUMMARY = "summary.json"
 PLOTS = "plots"
+PARAMETERS = "parameters"  # workers' parameter dumps (`metrics.dump_parameters`)
 INDEX = "index.html"
 
 
@@ -336,6 +337,15 @@ def summarize(run: Run, success: bool | None = None, error: str | None = None) -
     if run.warnings:
         summary["warnings"] = list(run.warnings)
     return summary
+
+
+def parameter_dumps(run_dir: str | Path) -> dict[tuple[int, int], np.ndarray]:
+    """The workers' parameter dumps (`metrics.dump_parameters`), by (rank, step)."""
+    dumps = {}
+    for path in sorted((Path(run_dir) / PARAMETERS).glob("rank*-step*.npy")):
+        rank, step = path.stem.removeprefix("rank").split("-step")
+        dumps[int(rank), int(step)] = np.load(path)
+    return dumps
 
 
 def describe_runs(root: str | Path, log_lines: int = 12) -> str:

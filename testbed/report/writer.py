@@ -28,10 +28,20 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import yaml
 
 from testbed.report.events import FORMAT, step_fields
-from testbed.report.run import EVENTS, PLOTS, SCENARIO, SUMMARY, RunError, load_run, summarize
+from testbed.report.run import (
+    EVENTS,
+    PARAMETERS,
+    PLOTS,
+    SCENARIO,
+    SUMMARY,
+    RunError,
+    load_run,
+    summarize,
+)
 
 
 def _json_default(value: Any) -> Any:
@@ -135,6 +145,18 @@ class RunWriter:
         if drift is not None and not math.isfinite(float(drift)):
             values["drift"] = None
         return self.event("step", t=t, **values, **fields)
+
+    def parameters(self, step: int, vector: np.ndarray) -> Path:
+        """A worker's flat parameter vector after `step` (`metrics.dump_parameters`), written
+        whole or not at all (`run.parameter_dumps` reads them back)."""
+        folder = self.run_dir / PARAMETERS
+        folder.mkdir(exist_ok=True)
+        path = folder / f"rank{self.rank}-step{step}.npy"
+        partial = path.with_suffix(".tmp")
+        with partial.open("wb") as file:
+            np.save(file, vector)
+        partial.replace(path)
+        return path
 
     def fault(self, action: str, scheduled: float | None = None, t: float | None = None,
               **fields: Any) -> dict[str, Any]:

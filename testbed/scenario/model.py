@@ -378,12 +378,17 @@ class Metrics(_Model):
     worker's namespace (0: any free port), parameter drift every `drift_every` steps (0: never)
     from a `drift_k`-dimensional random projection, and a probe of every link before training
     (`probe_links`: configured against measured, as `testbed probe` does). `linger`: seconds
-    a finished worker keeps its endpoint up (until the whole run is done)."""
+    a finished worker keeps its endpoint up (until the whole run is done). `dump_parameters`:
+    each drift measurement also writes the vector it sketched into the run directory, so the
+    estimate can be checked against the exact distance."""
 
     port: int = Field(default=9100, ge=0, le=65535)
     drift_every: int = Field(default=10, ge=0)
     drift_k: int | None = Field(default=None, ge=1, description="Numbers in each drift sketch "
                                 "(null: the estimator's default, 64).")
+    dump_parameters: bool = Field(default=False, description=(
+        "At every drift measurement each worker also writes its flat parameter vector to the "
+        "run directory (parameters/rank<R>-step<S>.npy): what the sketch estimated, in full."))
     probe_links: bool = False
     linger: Seconds = Field(default=0.0, ge=0, description=(
         "Seconds a worker keeps serving /metrics after its last step, so a scraper sees the "
@@ -702,6 +707,9 @@ class Scenario(_Model):
             yield (("collective", "compressor", "kind"), f"{compressor} needs a collective with a "
                    f"reliable neighbour exchange ({offered}); over {self.collective.kind} use "
                    "randk, powersgd or none")
+        mismatch = self.collective.strategy_problem(self.job.strategy)
+        if mismatch is not None:
+            yield ("collective", mismatch[0]), mismatch[1]
         if "seed" in self.job.model_fields_set:
             yield ("job", "seed"), "set seed at the top level of the scenario"
 

@@ -194,6 +194,20 @@ class Stream:
         self._counted(header)
         return Message(header, payload)
 
+    def recv_header(self, *, timeout: float | None = None) -> FrameHeader:
+        """The next message's header alone: its `length` payload bytes must be read next
+        (`recv_payload`), in as many pieces as the caller likes, so a large payload can land
+        where it belongs piece by piece instead of in one buffer of its own."""
+        header = self._recv_header(_Limit.of(timeout))
+        self._counters.messages_received += 1
+        self._counters.bytes_received += FRAME_SIZE
+        return header
+
+    def recv_payload(self, view: memoryview, *, timeout: float | None = None) -> None:
+        """The next `len(view)` bytes of the payload whose header `recv_header` returned."""
+        self._recv_into(view, _Limit.of(timeout), "a message's payload")
+        self._counters.bytes_received += len(view)
+
     def recv_tensor(
         self,
         *,

@@ -99,6 +99,9 @@ ANNOUNCE_SECONDS = 0.02  # how often a waiting worker says where it is (`collect
 READ_INTERVAL = 0.01
 
 Key = tuple[int, int, int]  # (kind, step, bucket)
+# The kinds that make up a call's phases, in the order a call goes through them: where a sender
+# got to (its datagrams and its PROGRESS words) is judged by (step, bucket, kind).
+PHASES = (Kind.GRADIENT, Kind.PARAMETER, Kind.CONTROL, Kind.REPAIR)
 
 
 class TokenBucket:
@@ -203,6 +206,22 @@ class Landing:
                 self._parts.append((target, offset, first, end, grid, edges))
             offset += target.size
         self.numel = offset
+
+    def read(self, index: np.ndarray) -> np.ndarray:
+        """Chunks `index` as they stand now, as rows of same-size integers ((k, chunk_numel));
+        what lies past the last part reads as zeros. The inverse of `land`."""
+        n = self._n
+        rows = np.zeros((len(index), n), dtype=self._parts[0][0].dtype if self._parts
+                        else np.int32)
+        for target, offset, first, end, grid, edges in self._parts:
+            inside = (index >= first) & (index < end)
+            if inside.any():
+                rows[inside] = grid[index[inside] - first]
+            for edge in edges:
+                for row in np.flatnonzero(index == edge).tolist():
+                    lo, hi = max(edge * n, offset), min((edge + 1) * n, offset + target.size)
+                    rows[row, lo - edge * n:hi - edge * n] = target[lo - offset:hi - offset]
+        return rows
 
     def land(self, index: np.ndarray, payload: np.ndarray) -> None:
         n = self._n
@@ -337,9 +356,13 @@ class _Open:
     """An opened key: where each sender's chunks go, and what came so far."""
 
     def __init__(self, expected: Mapping[int, int], sinks: Mapping[int, Sink],
-                 late_before: Counter[int]) -> None:
+                 late_before: Counter[int], present: Mapping[int, np.ndarray]) -> None:
         self.arrived = {sender: np.zeros(count, dtype=bool) for sender, count in expected.items()}
-        self.owed = dict(expected)  # per sender, how many of its chunks have not come
+        for sender, here in present.items():  # chunks in hand already: not owed
+            self.arrived[sender] |= here
+        # per sender, how many of its chunks have not come
+        self.owed = {sender: count - int(self.arrived[sender].sum())
+                     for sender, count in expected.items()}
         self.sinks = dict(sinks)
         self.chunks: dict[tuple[int, int], Chunk] = {}  # of senders without a sink
         self.first: dict[int, float] = {}  # per sender, when its first chunk of the key came
@@ -531,23 +554,27 @@ class DatagramEndpoint:
         step: int,
         bucket: int,
         tensors: Mapping[int, torch.Tensor | np.ndarray | Sequence[torch.Tensor]],
+        *,
+        only: Mapping[int, np.ndarray] | None = None,
     ) -> dict[int, int]:
         """Send each peer its tensor as chunks (one datagram each), paced as one stream: the
         peers' chunks interleaved, each peer's in order, so at any moment each gets its share
         of the rate. (One peer after another instead, a sender that fell behind would send to
         the next peer while another sender still sends to the same one, and together they
         would overrun that peer's link.) A sequence of tensors of one dtype travels as their
-        concatenation, read in place. Returns each peer's chunk count.
+        concatenation, read in place. `only`: per peer, the chunks to send (their indexes, in
+        order; a repair), not all. Returns each peer's chunk count (of the whole tensor).
 
         Runs of chunks go to the kernel in one call each (BATCH_SECONDS of traffic). A
         datagram the kernel refuses (ENOBUFS, EPERM from a firewall, an unreachable network)
         is counted in `send_errors` and its sequence number stays used, so the receiver counts
         it lost too: it never reached the wire.
         """
-        peers = list(tensors)
+        peers = [peer for peer in tensors if only is None or peer not in only
+                 or len(only[peer])]
         if not peers:
             return {}
-        runs, keep = [], []
+        runs, keep, counts = [], [], {}
         for peer in peers:
             name = self._names.get(peer)
             if name is None:
@@ -565,10 +592,15 @@ class DatagramEndpoint:
             keep.append(arrays)
             total = sum(array.size for array in arrays)
             starts = np.arange(0, max(total, 1), self._full[codec])
+            counts[peer], chosen = len(starts), None
+            if only is not None and peer in only:
+                chosen = np.asarray(only[peer], dtype=np.int64)
+                starts = starts[chosen]
             ends = np.minimum(starts + self._full[codec], total)
             template = Header(MAGIC, VERSION, kind, codec, self.rank, self.run_id,
                               self.incarnation, 0, step, bucket, 0, 0, 0)
-            headers = encode_headers(template, self._next_seq[peer], ends - starts)
+            headers = encode_headers(template, self._next_seq[peer], ends - starts, chosen,
+                                     counts[peer])
             trailers = (None if self._mac is None
                         else self._mac.sign(peer, headers, arrays, starts, ends))
             runs.append(Batch(name, headers, [(a.ctypes.data, a.size) for a in arrays], starts,
@@ -607,7 +639,7 @@ class DatagramEndpoint:
             for peer, count, size in zip(peers, datagrams, nbytes.tolist(), strict=True):
                 self._counters[peer].datagrams_sent += count
                 self._counters[peer].bytes_sent += int(size)
-        return {peer: len(run.starts) for peer, run in zip(peers, runs, strict=True)}
+        return counts
 
     def open(
         self,
@@ -617,12 +649,15 @@ class DatagramEndpoint:
         expected: Mapping[int, int],
         *,
         into: Mapping[int, torch.Tensor | Sink] | None = None,
+        present: Mapping[int, np.ndarray] | None = None,
     ) -> None:
         """Receive (kind, step, bucket) from now on: `expected` chunks (a count per sender,
         chunks 0 onwards) and, for the senders in `into`, land their chunks as they are read:
         a tensor (flat, contiguous; chunk i at element i * chunk_numel) or any `Sink`. A chunk
-        that is not one of such a tensor is left out as if it never came. Datagrams of the key
-        that came before are taken in at once. `collect` ends it."""
+        that is not one of such a tensor is left out as if it never came. `present`: per
+        sender, a bool per chunk already in hand (a repair's: only the others are owed, and a
+        copy of one in hand is not landed again). Datagrams of the key that came before are
+        taken in at once. `collect` ends it."""
         key = (int(kind), step, bucket)
         if step < self._closed_below or key in self._closed:
             raise ValueError(f"open: {Kind(kind).name} step {step} bucket {bucket} is closed")
@@ -639,7 +674,7 @@ class DatagramEndpoint:
             sinks[sender] = target
         late_before = Counter({sender: count for (kind_, sender), count in self._late.items()
                                if kind_ == key[0]})
-        state = self._open[key] = _Open(expected, sinks, late_before)
+        state = self._open[key] = _Open(expected, sinks, late_before, present or {})
         now = time.monotonic()
         for sender in expected:
             self._note_reached(state, key, sender, now)
@@ -904,7 +939,7 @@ class DatagramEndpoint:
         payload byte); each opened key it is now past or at notes that (`_Open.reached`)."""
         kinds = np.where(progress, batch.rows[:, HEADER_SIZE] if progress.any() else 0,
                          batch["kind"])
-        phase = (kinds == Kind.GRADIENT) | (kinds == Kind.PARAMETER)
+        phase = np.isin(kinds, PHASES)
         if not phase.any():
             return
         steps, buckets, kinds = batch["step"][phase], batch["bucket"][phase], kinds[phase]

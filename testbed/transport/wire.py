@@ -53,6 +53,9 @@ class Kind(IntEnum):
     # A worker's progress: it has sent its part of (step, bucket) of the kind its one payload
     # byte names, and waits for the others' (so they stop waiting for what was lost of it).
     PROGRESS = 5
+    # Chunks of a PARAMETER message sent again, as a receiver asked (its CONTROL datagram of
+    # the same step and bucket: which chunks it lacks); they keep their chunk numbers.
+    REPAIR = 6
 
 
 class Codec(IntEnum):
@@ -224,9 +227,11 @@ def encode(header: Header, payload: bytes | bytearray | memoryview = b"") -> byt
     return HEADER.pack(*header) + bytes(payload)
 
 
-def encode_headers(template: Header, seq: int, payload_lens: np.ndarray) -> np.ndarray:
+def encode_headers(template: Header, seq: int, payload_lens: np.ndarray,
+                   index: np.ndarray | None = None, chunks: int | None = None) -> np.ndarray:
     """The headers of a whole tensor's chunks at once, as an (n, HEADER_SIZE) uint8 array:
-    `template`'s fields, with chunk = 0..n-1, chunks = n, seq = seq..seq+n-1."""
+    `template`'s fields, with chunk = 0..n-1 (or `index`, some chunks of a tensor of `chunks`),
+    chunks = n, seq = seq..seq+n-1."""
     n = len(payload_lens)
     headers = np.empty(n, dtype=HEADER_DTYPE)
     for name, value in template._asdict().items():
@@ -234,8 +239,8 @@ def encode_headers(template: Header, seq: int, payload_lens: np.ndarray) -> np.n
             bits = HEADER_DTYPE[name].itemsize * 8
             raise ValueError(f"{name}: {value} does not fit the header's {bits}-bit field")
         headers[name] = value
-    headers["chunk"] = np.arange(n)
-    headers["chunks"] = n
+    headers["chunk"] = np.arange(n) if index is None else index
+    headers["chunks"] = n if chunks is None else chunks
     headers["seq"] = seq + np.arange(n, dtype=np.uint64)
     headers["payload_len"] = payload_lens
     return headers.view(np.uint8).reshape(n, HEADER_SIZE)

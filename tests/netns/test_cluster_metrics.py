@@ -13,11 +13,14 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from testbed.cluster.runner import ClusterRun, WorkerState
-from testbed.report import load_run
+from testbed.metrics.drift import drift_from, projection
+from testbed.report import load_run, parameter_dumps
 
 pytestmark = pytest.mark.netns
 WORLD = 4
@@ -75,7 +78,7 @@ def run(tmp_path: Path, text: str, at_step: int | None = None) -> tuple[ClusterR
 
 
 def scenario(collective: str, *, loss: str = "0%", steps: int = 40, extra: str = "",
-             drift_every: int = 5) -> str:
+             drift_every: int = 5, metrics: str = "") -> str:
     return f"""
 name: metrics-{collective.split(",")[0]}
 seed: 11
@@ -83,7 +86,7 @@ workers: {WORLD}
 topology: {{default: {{loss: {loss}}}, congestion: cubic}}
 job: {{model: mlp, steps: {steps}, batch: 32, strategy: STRATEGY}}
 collective: {{kind: {collective}}}
-metrics: {{drift_every: {drift_every}, linger: 60s}}
+metrics: {{drift_every: {drift_every}, linger: 60s{metrics}}}
 {extra}
 """
 
@@ -179,6 +182,87 @@ def test_lossy_drift_and_lost_datagrams_follow_a_link_that_starts_losing(tmp_pat
     # The live table's figure is the run's total, not the last step's.
     assert cluster.workers[1].datagrams_lost == sum(e.get("datagrams_lost", 0.0)
                                                     for e in mine.values()) > 0
+
+
+# The drift check against parameter dumps: k numbers per sketch, and how far an estimate may be
+# from the exact ratio in a step that counts as agreeing (see the test's docstring).
+DUMP_K, DUMP_STEPS, AGREE = 4096, 40, (0.86, 1.163)
+
+
+def exact_drift(dumps: dict[tuple[int, int], np.ndarray], step: int) -> dict[int, float]:
+    """||theta_r - mean theta|| / ||mean theta|| of every rank at `step`, in float64."""
+    vectors = {rank: dumps[rank, step].astype(np.float64) for rank in range(WORLD)}
+    mean = np.mean(list(vectors.values()), axis=0)
+    return {rank: float(np.linalg.norm(v - mean) / np.linalg.norm(mean))
+            for rank, v in vectors.items()}
+
+
+def disagreeing_steps(estimates: dict[tuple[int, int], float],
+                      exact: dict[tuple[int, int], float]) -> list[int]:
+    """The steps at which some rank's estimate is off: not exactly 0 where the copies are
+    identical, or outside AGREE times the exact ratio where they differ."""
+    bad = set()
+    for (rank, step), truth in exact.items():
+        estimate = estimates[rank, step]
+        ok = estimate == 0.0 if truth == 0.0 else AGREE[0] <= estimate / truth <= AGREE[1]
+        if not ok:
+            bad.add(step)
+    return sorted(bad)
+
+
+def test_lossy_drift_matches_the_exact_distance_of_the_dumped_parameters(tmp_path: Path):
+    """Every worker dumps the parameter vector it sketched at every step (30% loss on every
+    link, so most steps leave some copy stale), and the drift it exported is checked against
+    the vectors themselves:
+
+    1. bit for bit against the estimator run on the dumps (`projection`, `drift_from`): the
+       worker sketched what it dumped, exchanged the sketches exactly and exported the result
+       unchanged (the final scrape's gauge is the last step's figure);
+    2. against the exact ||theta_r - mean theta|| / ||mean theta||, within the estimator's
+       error: exactly 0 where every copy is identical; elsewhere, in at least half the steps,
+       every rank's estimate within [0.86, 1.163] of the exact ratio. Why that bound: with a
+       CountSketch of k rows, Var(||S v||^2) <= 2 ||v||^4 / k for any v (docs/metrics.md), so by
+       Chebyshev ||S v||^2 strays beyond (1 +- 0.15) ||v||^2 with probability <= 2 / (k 0.15^2)
+       = 0.022 at k = 4096; a step whose four distances and reference norm all stay within it
+       (probability >= 0.89; the steps' projections are independent) has every ratio within
+       sqrt(0.85 / 1.15) .. sqrt(1.15 / 0.85). More than half of 40 steps failing that has
+       probability below 1e-9 (binomial tail): a false failure is negligible.
+
+    How it was checked to catch wrong answers: with `drift_from` made to return 1.2 times the
+    relative drift, check 2 failed at all 40 steps (check 1 cannot see that: it runs the same
+    estimator); with the worker taking its reference from the other ranks' sketches only,
+    check 1 failed at the first step. The test also holds its own negative check: the same
+    figures scaled by 1.25 or 0.8, or another rank's figures, must fail check 2 (they did at
+    all 40 steps; the real ones were within 0.96-1.04 of the exact ratio)."""
+    text = scenario("lossy, deadline_initial: 0.3", loss="30%", steps=DUMP_STEPS,
+                    drift_every=1, metrics=f", drift_k: {DUMP_K}, dump_parameters: true")
+    cluster, scraper = run(tmp_path, text.replace("STRATEGY", "sharded"))
+    recorded = {(s.rank, s.step): s.drift for s in load_run(cluster.run_dir).steps}
+    dumps = parameter_dumps(cluster.run_dir)
+    assert set(dumps) == {(rank, step) for rank in range(WORLD) for step in range(DUMP_STEPS)}
+    assert None not in recorded.values(), "a drift exchange was skipped"
+
+    exact = {}
+    for step in range(DUMP_STEPS):
+        sketches = {rank: projection(torch.from_numpy(dumps[rank, step]), step, DUMP_K)
+                    for rank in range(WORLD)}
+        for rank, truth in exact_drift(dumps, step).items():
+            exact[rank, step] = truth
+            again = drift_from(sketches, sketches[rank]).relative
+            assert recorded[rank, step] == pytest.approx(again, rel=1e-9, abs=0), (rank, step)
+    for rank, samples in enumerate(scraper.final):
+        assert value(samples, "testbed_parameter_drift_ratio", rank=str(rank),
+                     reference="mean") == recorded[rank, DUMP_STEPS - 1]
+
+    stale = sum(truth > 0 for truth in exact.values())
+    assert stale > WORLD * DUMP_STEPS / 2, f"only {stale} stale copies: too few to judge"
+    bad = disagreeing_steps(recorded, exact)
+    assert len(bad) < DUMP_STEPS / 2, f"estimates off the exact drift at steps {bad}"
+    # The check has the power to see wrong figures: mis-scaled ones, or another rank's.
+    for wrong in ({key: 1.25 * v for key, v in recorded.items()},
+                  {key: 0.8 * v for key, v in recorded.items()},
+                  {(rank, step): recorded[(rank + 1) % WORLD, step] for rank, step in recorded}):
+        assert len(disagreeing_steps(wrong, exact)) >= DUMP_STEPS / 2
 
 
 def test_ring_retransmits_and_the_straggler_wait_show_in_the_metrics(tmp_path: Path):

@@ -1,6 +1,7 @@
-"""Moshpit between four processes in four network namespaces (one peer per lab host, rank 0
-serving the TCPStore): they reach the exact mean, and when one is killed with SIGKILL mid-run
-the others finish every step, averaging without it.
+"""Moshpit between processes in network namespaces (one peer per lab host, rank 0 serving the
+TCPStore): they reach the exact mean, and when peers die mid-run (SIGKILL) or hang (SIGSTOP:
+connections open, nothing read, no heartbeat) the others finish every step without them, no
+call longer than its deadline (`timeout`) plus the documented margin.
 
 Each peer is `testbed moshpit-peer`, printing one JSON line per step with the
 head and the sum of its result; its inputs are `demo_input(rank, step)`, so the test
@@ -18,9 +19,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from netem import LinkProfile
 from netem.lab import Lab
 from testbed.collectives.grid import Grid
-from testbed.collectives.moshpit import demo_input
+from testbed.collectives.lab import shape_every_link
+from testbed.collectives.moshpit import MARGIN, demo_input
 
 pytestmark = pytest.mark.netns
 WORLD, STEPS, NUMEL, TIMEOUT = 4, 12, 100_000, 1.0
@@ -29,14 +32,16 @@ WAIT = 60.0  # four processes importing torch on two cores, then the steps
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def start_peer(lab: Lab, rank: int, out: Path) -> subprocess.Popen[str]:
+def start_peer(lab: Lab, rank: int, out: Path, *, world: int = WORLD, group_size: int = 2,
+               timeout: float = TIMEOUT, numel: int = NUMEL,
+               interval: float = 0.1) -> subprocess.Popen[str]:
     host = lab.hosts[rank]
     argv = [
         sys.executable, "-m", "testbed.cli", "moshpit-peer", "--rank", str(rank),
-        "--world", str(WORLD), "--store", f"{lab.hosts[0].address}:{STORE_PORT}",
-        "--listen", host.address, "--group-size", "2", "--timeout", str(TIMEOUT),
-        "--heartbeat", "0.1", "--steps", str(STEPS), "--numel", str(NUMEL),
-        "--interval", "0.1", *(["--serve-store"] if rank == 0 else []),
+        "--world", str(world), "--store", f"{lab.hosts[0].address}:{STORE_PORT}",
+        "--listen", host.address, "--group-size", str(group_size), "--timeout", str(timeout),
+        "--heartbeat", "0.1", "--steps", str(STEPS), "--numel", str(numel),
+        "--interval", str(interval), *(["--serve-store"] if rank == 0 else []),
     ]
     with (out / f"{rank}.jsonl").open("w") as stdout, (out / f"{rank}.err").open("w") as stderr:
         return lab.popen(host, argv, stdout=stdout, stderr=stderr, cwd=ROOT)
@@ -47,11 +52,12 @@ def lines(out: Path, rank: int) -> list[dict]:
     return [json.loads(line) for line in text.splitlines() if line.endswith("}")]
 
 
-def expected(step: int, absent: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def expected(step: int, absent: list[int], world: int = WORLD, group_size: int = 2,
+             numel: int = NUMEL) -> tuple[torch.Tensor, torch.Tensor]:
     """Every rank's result of `step` and its coverage, with the `absent` ranks left out."""
-    grid = Grid.for_world(WORLD, 2)
-    values = torch.stack([demo_input(rank, step, NUMEL) for rank in range(WORLD)]).double()
-    share = torch.full((WORLD,), 1 / WORLD, dtype=torch.float64)
+    grid = Grid.for_world(world, group_size)
+    values = torch.stack([demo_input(rank, step, numel) for rank in range(world)]).double()
+    share = torch.full((world,), 1 / world, dtype=torch.float64)
     for round_index in range(grid.dims):
         for group in grid.groups(round_index):
             present = [rank for rank in group if rank not in absent]
@@ -99,7 +105,56 @@ def test_peers_in_namespaces_reach_the_mean_and_survive_a_kill(make_lab, tmp_pat
         if rank == victim:
             continue
         assert [line["step"] for line in results[rank]] == list(range(STEPS))
+        assert max(line["seconds"] for line in results[rank]) <= TIMEOUT + MARGIN
         last = results[rank][-1]
         check(last, values[rank], share[rank].item())
         grouped_with_victim = any(victim in grid.group(rank, r) for r in range(grid.dims))
         assert (victim in last["missing"]) == grouped_with_victim
+
+
+def test_calls_keep_their_deadline_when_two_of_eight_peers_die_mid_call(make_lab, tmp_path):
+    """Eight peers on a 4x2 grid, every link 100 Mbit/s, 1M values, calls back to back (about
+    0.8 s each, the bandwidth bound): once the victims are past step 2, rank 5 is killed
+    (SIGKILL: its connections close) and rank 2 hangs (SIGSTOP: its connections stay open,
+    nothing more is read, its heartbeat stops), each in the middle of a call. Every call of
+    every survivor ends within the deadline (`timeout`, 3 s) plus MARGIN, all finish every
+    step, and the last one, once both are out of the membership, is exactly the mean without
+    them. (Before the call had one deadline, a phase waited `timeout` each, so a call could
+    take several times it.)"""
+    world, group_size, timeout, numel = 8, 4, 3.0, 1_000_000
+    lab = make_lab(world)
+    shape_every_link(lab, LinkProfile.parse(rate="100mbit"), backend="fallback")
+    killed, hung = 5, 2
+    peers = {rank: start_peer(lab, rank, tmp_path, world=world, group_size=group_size,
+                              timeout=timeout, numel=numel, interval=0.0)
+             for rank in range(world)}
+    try:
+        deadline = time.monotonic() + 2 * WAIT
+        while min(len(lines(tmp_path, rank)) for rank in (killed, hung)) < 3:
+            for rank, peer in peers.items():
+                assert peer.poll() is None, (tmp_path / f"{rank}.err").read_text()
+            assert time.monotonic() < deadline, "the peers did not get through three steps"
+            time.sleep(0.05)
+        peers[killed].send_signal(signal.SIGKILL)
+        peers[hung].send_signal(signal.SIGSTOP)
+        for rank, peer in peers.items():
+            if rank not in (killed, hung):
+                assert peer.wait(timeout=2 * WAIT) == 0, (tmp_path / f"{rank}.err").read_text()
+    finally:
+        for peer in peers.values():
+            if peer.poll() is None:
+                peer.kill()
+                peer.wait()
+
+    results = {rank: lines(tmp_path, rank) for rank in range(world)}
+    for step in (0, 1):  # before the victims went: everyone, the exact mean
+        values, _ = expected(step, [], world, group_size, numel)
+        for rank in range(world):
+            check(results[rank][step], values[0], 1.0)
+    values, share = expected(STEPS - 1, [killed, hung], world, group_size, numel)
+    slowest = {}
+    for rank in set(range(world)) - {killed, hung}:
+        assert [line["step"] for line in results[rank]] == list(range(STEPS))
+        slowest[rank] = max(line["seconds"] for line in results[rank])
+        check(results[rank][-1], values[rank], share[rank].item())
+    assert max(slowest.values()) <= timeout + MARGIN, slowest

@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -370,5 +371,139 @@ def test_drift_stays_bounded_over_1000_steps_at_30_percent_loss_without_resync()
             "drift grows within the second half"
         distance = (owners - goal).norm() / goal.norm()
         assert distance < 0.05, f"the owners are {distance:.3f} of the goal's norm away from it"
+    finally:
+        close_all(group)
+
+
+def broadcast_came(loss: SeededLoss, step: int, owner: int, receiver: int, size: int,
+                   chunk_numel: int, group: int) -> np.ndarray:
+    """Which data chunks of an owner's broadcast (a `size`-element shard and its counts) a
+    receiver holds after the seeded loss and the parity repair: a chunk lost alone in its group
+    of `group` comes back if the group's parity chunk came."""
+    chunks = -(-(size + -(-size // chunk_numel)) // chunk_numel)
+    groups = -(-chunks // group)
+    came = ~loss.lost(Kind.PARAMETER, step, 0, owner, receiver, chunks + groups)
+    data = came[:chunks].copy()
+    for g in range(groups):
+        members = range(g * group, min((g + 1) * group, chunks))
+        lost = [c for c in members if not came[c]]
+        if len(lost) == 1 and came[chunks + g]:
+            data[lost[0]] = True
+    return data
+
+
+@pytest.mark.parametrize("group", [1, 3])
+def test_parity_rebuilds_a_chunk_lost_alone_in_its_group_bit_for_bit(group):
+    world, numel = 3, 60_000
+    loss = SeededLoss(0.3, seed=5, kinds=frozenset({Kind.PARAMETER}))
+    group_ = lossy_group(world, test_loss=loss, parity=group)
+    try:
+        start = torch.randn(numel, generator=torch.Generator().manual_seed(99))
+        gradients = seeded(world, numel)
+        results = sharded_steps(group_, [start] * world, gradients, step=0)
+        chunk_numel = group_[0].endpoint.chunk_numel()
+        rebuilt = 0
+        for receiver, (parameters, stats) in enumerate(results):
+            for owner, shard in enumerate(bounds(numel, world)):
+                if owner == receiver:
+                    continue
+                size = shard.stop - shard.start
+                came = torch.from_numpy(broadcast_came(loss, 0, owner, receiver, size,
+                                                       chunk_numel, group))
+                where = came.repeat_interleave(chunk_numel)[:size]
+                fresh = results[owner][0][shard]  # what the owner made and sent, exactly
+                assert torch.equal(parameters[shard], torch.where(where, fresh, start[shard]))
+            rebuilt += stats.extra["chunks_rebuilt"]
+        assert rebuilt > 0, "30% loss, yet no chunk was rebuilt"
+    finally:
+        close_all(group_)
+
+
+def test_a_missed_chunk_takes_the_last_update_received_there():
+    """Step 0 loses nothing: every copy learns each chunk's update (fresh - start). Step 1
+    loses 30% of the broadcasts: where a chunk is missed, the copy moves on by that update
+    instead of staying stale."""
+    world, numel = 3, 30_000
+    loss = SeededLoss(0.3, seed=6, kinds=frozenset({Kind.PARAMETER}))
+    group = lossy_group(world, missed="last_update")
+    try:
+        start = torch.randn(numel, generator=torch.Generator().manual_seed(98))
+        gradients = seeded(world, numel)
+        mean = torch.stack(gradients).mean(0)
+        first = [p for p, _ in sharded_steps(group, [start] * world, gradients, step=0)]
+        for copy in first:
+            torch.testing.assert_close(copy, start - LR * mean)
+        for collective in group:
+            collective.test_loss = loss
+        second = sharded_steps(group, first, [2 * g for g in gradients], step=1)
+        owners = first[0] - 2 * LR * mean
+        guess = first[0] + (first[0] - start)  # the last update, once more
+        chunk_numel = group[0].endpoint.chunk_numel()
+        for receiver, (parameters, _) in enumerate(second):
+            for owner, shard in enumerate(bounds(numel, world)):
+                if owner == receiver:
+                    continue
+                size = shard.stop - shard.start
+                came = torch.from_numpy(broadcast_came(loss, 1, owner, receiver, size,
+                                                       chunk_numel, 1 << 30))
+                where = came.repeat_interleave(chunk_numel)[:size]
+                assert not where.all()
+                torch.testing.assert_close(parameters[shard],
+                                           torch.where(where, owners[shard], guess[shard]))
+    finally:
+        close_all(group)
+
+
+def test_a_missed_chunk_takes_the_update_of_the_local_gradient():
+    world, numel = 3, 30_000
+    loss = SeededLoss(0.3, seed=7, kinds=frozenset({Kind.PARAMETER}))
+    group = lossy_group(world, test_loss=loss, missed="local")
+    try:
+        start = torch.randn(numel, generator=torch.Generator().manual_seed(97))
+        gradients = seeded(world, numel)
+        owners = start - LR * torch.stack(gradients).mean(0)
+        results = sharded_steps(group, [start] * world, gradients, step=0)
+        chunk_numel = group[0].endpoint.chunk_numel()
+        for receiver, (parameters, _) in enumerate(results):
+            local = start - LR * gradients[receiver]  # sgd: what its own gradient makes
+            for owner, shard in enumerate(bounds(numel, world)):
+                if owner == receiver:
+                    continue
+                size = shard.stop - shard.start
+                came = torch.from_numpy(broadcast_came(loss, 0, owner, receiver, size,
+                                                       chunk_numel, 1 << 30))
+                where = came.repeat_interleave(chunk_numel)[:size]
+                torch.testing.assert_close(parameters[shard],
+                                           torch.where(where, owners[shard], local[shard]))
+    finally:
+        close_all(group)
+
+
+@pytest.mark.parametrize(("option", "value", "message"), [
+    ("parity", -1, "parity: expected 0"),
+    ("missed", "guess", "missed: expected one of keep, last_update, local"),
+    ("settle", "fast", "settle: expected seconds > 0, 'auto'"),
+])
+def test_bad_options_are_named(option, value, message):
+    with pytest.raises(ValueError, match=message):
+        Lossy(0, 1, addresses=[("127.0.0.1", 0)], **{option: value})
+
+
+def test_a_resend_brings_every_missed_broadcast_chunk_back():
+    """30% of the broadcasts' datagrams are discarded, none of the repairs: each worker asks
+    each owner for what it lacks, gets it again within the call, and holds the owners'
+    parameters exactly."""
+    world, numel = 3, 30_000
+    loss = SeededLoss(0.3, seed=8, kinds=frozenset({Kind.PARAMETER}))
+    group = lossy_group(world, test_loss=loss, resend=True)
+    try:
+        start = torch.randn(numel, generator=torch.Generator().manual_seed(96))
+        results = sharded_steps(group, [start] * world, seeded(world, numel), step=0)
+        owners = torch.cat([results[owner][0][shard]
+                            for owner, shard in enumerate(bounds(numel, world))])
+        for parameters, stats in results:
+            assert torch.equal(parameters, owners)
+            assert stats.extra["chunks_resent"] > 0
+            assert stats.coverage == 1.0
     finally:
         close_all(group)

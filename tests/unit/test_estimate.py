@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from testbed.collectives.estimate import AdaptiveDeadline, ChunkAccumulator
+from testbed.collectives.estimate import AdaptiveDeadline, AdaptiveSettle, ChunkAccumulator
 
 
 def _estimate(grads: torch.Tensor, arrived: torch.Tensor, chunk: int) -> torch.Tensor:
@@ -99,3 +99,16 @@ def test_deadline_follows_arrivals_and_grows_after_late_chunks():
         deadline.observe(deadline.seconds, late_chunks=3)
     assert deadline.seconds > 10 * before
     assert deadline.seconds <= 10.0
+
+
+def test_the_settle_falls_while_nothing_comes_late_and_doubles_when_something_does():
+    settle = AdaptiveSettle(floor=0.001, ceiling=0.01, shrink=0.8)
+    assert settle.seconds == 0.01  # it starts where it is safe
+    for _ in range(11):
+        settle.observe(0)
+    assert settle.seconds == pytest.approx(0.001)  # 0.01 * 0.8**11 < 0.001: the floor
+    settle.observe(3)
+    assert settle.seconds == pytest.approx(0.002)
+    for _ in range(5):
+        settle.observe(1)
+    assert settle.seconds == 0.01

@@ -20,7 +20,14 @@ from testbed.collectives.base import Collective
 from testbed.collectives.grid import Grid
 from testbed.collectives.lab import run_concurrently
 from testbed.collectives.membership import Member, Membership, host_store
-from testbed.collectives.moshpit import Moshpit, MoshpitStats, demo_input, run_demo_peer
+from testbed.collectives.moshpit import (
+    MARGIN,
+    Moshpit,
+    MoshpitStats,
+    Phase,
+    demo_input,
+    run_demo_peer,
+)
 
 NUMEL = 100_000
 WAIT = 10.0  # seconds any bounded poll may take before the test fails
@@ -307,3 +314,45 @@ def test_converges_while_a_different_fifth_of_the_peers_fails_every_round(swarm)
     assert spreads[-1] < spreads[0] / 10, f"spread by round: {spreads}"
     assert spreads[-1] < spreads[rounds // 2] / 2, f"stalled in the second half: {spreads}"
     assert (values - mean).abs().max() < spreads[0] / 10, "the consensus left the initial mean"
+
+
+def test_a_call_ends_by_its_deadline_when_a_peer_hangs_mid_call(swarm):
+    """Rank 3 hangs in the middle of a call (after its reduce-scatter of round 0, as it would
+    open its all-gather), its connections open and its heartbeat beating, so nothing tells the
+    others it is gone: every other call still ends within `timeout` + MARGIN, with exactly what
+    came. Rank 2 has 3's contribution to its own slice but never 3's averaged slice (its own
+    values stand there), rank 1 meets no one in round 1, and rank 0 averages with rank 2."""
+    timeout = 1.0
+    peers = swarm(4, timeout=timeout)
+    inputs = torch.randn(4, NUMEL, generator=torch.Generator().manual_seed(9))
+    hang, hung = threading.Event(), threading.Event()
+    inbox = peers[3]._inbox
+    opened = inbox.open
+
+    def open_then_hang(step, seq, phase, slots):
+        if phase is Phase.GATHER:
+            hung.set()
+            hang.wait(30)
+        return opened(step, seq, phase, slots)
+
+    inbox.open = open_then_hang
+    stuck = threading.Thread(target=peers[3].allreduce, args=(inputs[3], 0), daemon=True)
+    stuck.start()
+    try:
+        results = reduce_all({rank: peers[rank] for rank in range(3)}, inputs, step=0)
+        assert hung.is_set()
+    finally:
+        hang.set()
+        stuck.join(30)
+
+    for rank, (_, stats) in results.items():
+        assert stats.seconds <= timeout + MARGIN, f"rank {rank}: {stats.seconds:.3f} s"
+    first = slice(0, NUMEL // 2)  # rank 2's slice in round 0 (rank 3 has the other half)
+    pair = (inputs[0] + inputs[1]) / 2
+    two = inputs[2].clone()
+    two[first] = (inputs[2][first] + inputs[3][first]) / 2
+    torch.testing.assert_close(results[0][0], (pair + two) / 2)
+    torch.testing.assert_close(results[2][0], (pair + two) / 2)
+    torch.testing.assert_close(results[1][0], pair)
+    assert 3 in results[1][1].peers_missing and 3 in results[2][1].peers_missing
+    assert results[0][1].peers_missing == ()

@@ -200,6 +200,12 @@ INVALID = {
     "sharded with a collective that cannot": (
         BASE + "job: {strategy: sharded}\ncollective: {kind: ring}\n", "job.strategy",
         "sharded needs a collective that owns the update (step()): lossy; got ring", 3),
+    "a stand-in for parameters without the sharded step": (
+        BASE + "job: {strategy: gradient}\ncollective: {kind: lossy, missed: last_update}\n",
+        "collective.missed", "last_update fills in the parameters the owners broadcast, which "
+        "only strategy sharded has; with strategy gradient use keep", 4),
+    "settle neither seconds nor auto": (
+        BASE + "collective: {kind: lossy, settle: soon}\n", "collective.settle", "auto", 3),
     "mtu out of range": (
         BASE + "topology: {mtu: 100000}\n", "topology.mtu", "less than or equal to 9000", 3),
     "duplicate key": (
