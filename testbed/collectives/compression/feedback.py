@@ -2,7 +2,10 @@
 Improves Error Feedback!", 2023), which keeps what a sparsifier did not send.
 
 Worker i keeps a momentum v_i and an estimate g_i of it; every worker keeps the shared
-estimate g (the mean of the g_i). Each step, with gradient d_i and a compressor C:
+estimate g (the mean of the g_i). The first step starts them from the gradient d_i itself,
+sent whole: v_i = g_i = d_i, g = mean_i d_i (one dense all-reduce), as EF21M's algorithm and
+ARC-Top-K's code (`comm_hooks/group_topk_hook_no_reshape.py`, EF21's E_0) do. Every later
+step, with a compressor C:
 
     v_i <- (1 - eta) v_i + eta d_i
     c_i  = C(v_i - g_i)          (only c_i travels)
@@ -30,17 +33,25 @@ class EF21M:
         self.own: torch.Tensor | None = None  # g_i
         self.shared: torch.Tensor | None = None  # g
 
+    @property
+    def started(self) -> bool:
+        """Whether the first step (`start`) has set the state."""
+        return self.v is not None
+
+    def start(self, gradient: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
+        """The first step: v_i = g_i = `gradient`, g = `mean` (the exact mean of the workers'
+        gradients, sent whole); returns a copy of g. Starting g at the true mean, not at 0,
+        leaves nothing held back to be caught up over the next steps."""
+        gradient = gradient.detach().to(torch.float32)
+        self.v, self.own = gradient.clone(), gradient.clone()
+        self.shared = mean.detach().to(torch.float32).clone()
+        return self.shared.clone()
+
     def target(self, gradient: torch.Tensor) -> torch.Tensor:
         """Update the momentum with `gradient`; the vector to compress, v_i - g_i."""
-        gradient = gradient.detach().to(torch.float32)
-        if self.v is None or self.v.numel() != gradient.numel():
-            # The first step sends the gradient itself (v = d, g = 0), so g starts unbiased.
-            self.v = gradient.clone()
-            self.own = torch.zeros_like(gradient)
-            self.shared = torch.zeros_like(gradient)
-        else:
-            self.v.mul_(1 - self.eta).add_(gradient, alpha=self.eta)
-        assert self.own is not None
+        if self.v is None or self.own is None:
+            raise RuntimeError("EF21M: start() comes first")
+        self.v.mul_(1 - self.eta).add_(gradient.detach().to(torch.float32), alpha=self.eta)
         return self.v - self.own
 
     def commit(self, own_index: torch.Tensor, own_values: torch.Tensor,
