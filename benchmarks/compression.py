@@ -282,6 +282,9 @@ class LocalCall:
     def agree(self, sketch: Any) -> Any:
         return self.allreduce(sketch) * WORLD
 
+    def exact_mean(self, tensor: Any) -> Any:
+        return self.allreduce(tensor)
+
 
 def limits_compressors(density: float) -> dict[str, Any]:
     """The rows of part 2: Top-K, ARC-Top-K as shipped and variants that change one thing."""
@@ -321,10 +324,11 @@ class LimitOutcome:
 
 
 def train_in_process(model_name: str, make: Any, steps: int, seed: int,
-                     shaped: bool) -> tuple[float, float, int]:
-    """`steps` steps of the benchmark's job with WORLD workers in threads, exact means,
-    every worker's compressor from `make`; the held-out metric, the payload values per call
-    of rank 0 and the model's parameters."""
+                     shaped: bool, threads: int = 1) -> tuple[float, float, int]:
+    """`steps` steps of the benchmark's job `model_name` with WORLD workers in threads, exact
+    means, every worker's compressor from `make` (torch using `threads` threads); the
+    held-out metric, the payload values per call of rank 0 (mean over the calls after
+    EF21M's first, which sends everything) and the model's parameters."""
     from concurrent.futures import ThreadPoolExecutor
 
     import torch
@@ -336,11 +340,11 @@ def train_in_process(model_name: str, make: Any, steps: int, seed: int,
     from testbed.train.models import build_model, evaluate, loss_fn
     from testbed.train.strategies import write_flat
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     spec = JOBS[model_name]
     config = TrainConfig.parse({k: v for k, v in spec.items() if k != "optimizer"}, seed=seed)
     data = load_dataset(config)
-    model = build_model(model_name, data, config.context, seed)
+    model = build_model(config.model, data, config.context, seed, config.width, config.layers)
     parameters = list(model.parameters())
     optimizer = torch.optim.Adam(parameters, lr=spec["optimizer"]["adam"]["lr"])
     shards = [Shard(len(data.train_y), rank, WORLD, seed) for rank in range(WORLD)]
@@ -364,16 +368,17 @@ def train_in_process(model_name: str, make: Any, steps: int, seed: int,
                 LocalCall(group, rank), x[rank], torch.zeros(0), s), range(WORLD)))
         if not all(torch.equal(r[0], results[0][0]) for r in results):
             raise RuntimeError("the workers' estimates differ")
-        payload += results[0][2]["payload_bytes"] / 4
+        if step:
+            payload += results[0][2]["payload_bytes"] / 4
         for parameter in parameters:  # every worker steps on the same estimate
             parameter.grad = torch.empty_like(parameter)
         write_flat(results[0][0], [p.grad for p in parameters])
         optimizer.step()
     pool.shutdown()
     figures = evaluate(model, data, spec["eval_samples"])
-    metric = figures["accuracy"] if model_name == "cnn" else figures.get(
+    metric = figures["accuracy"] if config.model == "cnn" else figures.get(
         "perplexity", math.exp(figures["loss"]))
-    return metric, payload / steps, sum(p.numel() for p in parameters)
+    return metric, payload / max(1, steps - 1), sum(p.numel() for p in parameters)
 
 
 def limits_part(models: list[str], steps: dict[str, int], density: float,

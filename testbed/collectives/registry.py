@@ -209,7 +209,10 @@ register(Kind(
 
 # --- the compressors ----------------------------------------------------------------------------
 
-_SPARSIFIER = ("density", "error_feedback", "momentum", "resync_every")
+_SPARSIFIER = ("density", "error_feedback", "feedback", "momentum", "resync_every")
+# The sparsifiers' error feedback (docs/compression.md): EF21M (with momentum, a shared
+# estimate) or EF14 (each worker's own error, no shared state).
+FEEDBACKS = ("ef21m", "ef14")
 _QUANTIZER = ("group_size", "symmetric", "stochastic", "seed")
 # ARC-Top-K's sketches (docs/compression.md): `projection`, the paper's (each weight matrix's
 # rows projected on a shared random matrix of `sketch_rank` columns, whole rows kept), and

@@ -273,6 +273,8 @@ CompressorKind = Literal["none", "topk", "randk", "arc_topk", "int8", "int4", "p
 assert get_args(CompressorKind) == tuple(registry.COMPRESSORS)
 ArcSketch = Literal["projection", "marginal"]
 assert get_args(ArcSketch) == registry.ARC_SKETCHES
+Feedback = Literal["ef21m", "ef14"]
+assert get_args(Feedback) == registry.FEEDBACKS
 
 
 class Compressor(_Model):
@@ -299,8 +301,11 @@ class Compressor(_Model):
                             "asymmetric (scale and minimum) per group.")
     stochastic: bool = Field(default=False, description="int8/int4: stochastic rounding "
                              "(unbiased) instead of nearest.")
-    error_feedback: bool = Field(default=True, description="Sparsifiers: EF21M; powersgd: its "
-                                 "error memory.")
+    error_feedback: bool = Field(default=True, description="Sparsifiers: error feedback (which: "
+                                 "`feedback`); powersgd: its error memory.")
+    feedback: Feedback = Field(default="ef21m", description="Sparsifiers' error feedback: "
+                               "ef21m (momentum, a shared estimate, the first step sent whole) "
+                               "or ef14 (each worker's own error).")
     momentum: float = Field(default=1.0, gt=0, le=1, description="EF21M's eta (1: EF21; the "
                             "job's optimizer keeps its own momentum).")
     resync_every: int = Field(default=0, ge=0, description="Sparsifiers: every N calls, set the "
@@ -317,6 +322,9 @@ class Compressor(_Model):
             if name not in allowed:
                 raise ValueError(f"{name}: not a parameter of {self.kind}; allowed: "
                                  f"{', '.join(allowed) or 'none'}")
+        if self.feedback == "ef14" and (self.momentum != 1.0 or self.resync_every):
+            raise ValueError("momentum and resync_every are EF21M's: feedback ef14 keeps no "
+                             "momentum and no shared estimate")
         return self
 
     def parameters(self) -> dict[str, Any]:

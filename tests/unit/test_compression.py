@@ -12,7 +12,7 @@ import torch
 
 from testbed.collectives.compression import quantize as q
 from testbed.collectives.compression import wrap
-from testbed.collectives.compression.feedback import EF21M
+from testbed.collectives.compression.feedback import EF14, EF21M
 from testbed.collectives.compression.sparsify import (
     count_of,
     layout,
@@ -177,6 +177,22 @@ def test_ef21m_state_follows_its_recurrence():
     assert state.residual == pytest.approx(2.0)  # ||v_i - g_i||: coordinate 1 held back
     # A dense mean (Top-K's all-gathered sum) adds everywhere.
     assert state.commit(index, values, None, torch.ones(4)).tolist() == [2.5, 2.0, 1.0, 2.0]
+
+
+def test_ef14_state_follows_its_recurrence():
+    """EF14: the compressor sees d_i + e_i, the error keeps what was not sent, the result is
+    the mean of what was (dense), and nothing starts whole."""
+    state = EF14()
+    x = state.target(torch.tensor([4.0, -2.0, 1.0]))
+    assert x.tolist() == [4.0, -2.0, 1.0] and state.started
+    result = state.commit(torch.tensor([0]), x[:1], torch.tensor([0, 2]),
+                          torch.tensor([1.5, 0.5]))
+    assert result.tolist() == [1.5, 0.0, 0.5]
+    assert state.error.tolist() == [0.0, -2.0, 1.0] and state.residual == pytest.approx(5 ** 0.5)
+    x = state.target(torch.tensor([1.0, 1.0, 1.0]))
+    assert x.tolist() == [1.0, -1.0, 2.0]
+    state.commit(torch.tensor([2]), x[2:], None, torch.zeros(3))
+    assert state.error.tolist() == [1.0, -1.0, 0.0]
 
 
 def test_ef21m_rejects_a_momentum_out_of_range():
@@ -415,6 +431,39 @@ def test_ef21m_with_arc_topk_keeps_the_accumulated_error_bounded(sketch):
     assert max(gaps[steps // 2:]) < 0.5, max(gaps[steps // 2:])
 
 
+@pytest.mark.parametrize("sketch", ["projection", "marginal"])
+def test_ef14_with_arc_topk_sends_everything_in_the_end(sketch):
+    """EF14 around ARC-Top-K over a ring, 200 calls of the same gradients: every call the
+    workers agree on a pattern, and what they stepped on adds up to everything they computed
+    less what they still hold back, exactly: sum_t result_t + mean_i e_i = T mean_i d_i (the
+    recurrence telescopes); what is held back stays bounded."""
+    world, calls = 3, 200
+    shapes = [(20, 50), (20,)]
+    numel = 20 * 50 + 20
+    workers = [wrap(c, "arc_topk", density=0.05, sketch=sketch, feedback="ef14")
+               for c in ring_of(world)]
+    for worker in workers:
+        worker.set_shapes(shapes)
+    grads = torch.randn(world, numel, generator=torch.Generator().manual_seed(2))
+    total = torch.zeros(numel, dtype=torch.float64)
+    residuals = []
+    try:
+        for step in range(calls):
+            results = run_concurrently(*(lambda r=r, s=step: workers[r].allreduce(grads[r], s)
+                                         for r in range(world)))
+            patterns = [w.compressor.last_index for w in workers]
+            assert all(torch.equal(p, patterns[0]) for p in patterns), "patterns differ"
+            total += results[0][0].double()
+            residuals.append(max(stats.extra["feedback_residual"] for _, stats in results))
+    finally:
+        for w in workers:
+            w.close()
+    held = torch.stack([w.compressor.feedback.error for w in workers]).double().mean(0)
+    expected = calls * grads.double().mean(0)
+    torch.testing.assert_close(total + held, expected, rtol=0, atol=1e-3 * calls)
+    assert max(residuals[calls // 2:]) < 1.5 * max(residuals[: calls // 2])
+
+
 @pytest.mark.parametrize("kind", ["topk", "randk", "arc_topk", "int8", "int4", "powersgd"])
 @pytest.mark.parametrize("inner", ["ring", "lossy"])
 def test_every_compressor_estimates_the_mean(kind, inner):
@@ -496,6 +545,10 @@ def test_a_bad_compressor_is_named_with_what_is_allowed():
             wrap(ring, "int8", block=4)
         with pytest.raises(ValueError, match="sketch: expected one of projection, marginal"):
             wrap(ring, "arc_topk", sketch="rows")
+        with pytest.raises(ValueError, match="feedback: expected one of ef21m, ef14"):
+            wrap(ring, "topk", feedback="ef22")
+        with pytest.raises(ValueError, match="are EF21M's"):
+            wrap(ring, "randk", feedback="ef14", resync_every=3)
     finally:
         ring.close()
 

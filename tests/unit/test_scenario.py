@@ -199,6 +199,10 @@ INVALID = {
     "an ARC-Top-K sketch that does not exist": (
         BASE + "collective: {kind: ring, compressor: {kind: arc_topk, sketch: rows}}\n",
         "collective.compressor.sketch", "expected 'projection' or 'marginal', got 'rows'", 3),
+    "EF21M's options with EF14": (
+        BASE + "collective: {kind: ring, compressor: {kind: topk, feedback: ef14, "
+        "momentum: 0.5}}\n", "collective.compressor", "momentum and resync_every are EF21M's",
+        3),
     "straggler validated by StragglerSpec": (
         "workers:\n  count: 2\n  overrides:\n    - worker: 1\n"
         "      straggler: {lognormal: {median: 0s, sigma: 1}}\n",

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from testbed.collectives.compression.feedback import EF21M
-from testbed.collectives.registry import ARC_SKETCHES
+from testbed.collectives.compression.feedback import EF14, EF21M
+from testbed.collectives.registry import ARC_SKETCHES, FEEDBACKS
 
 
 @dataclass
@@ -215,28 +215,41 @@ class Sparsifier:
         """Only ARC-Top-K uses the parameters' shapes (its sketch's rows)."""
 
     def __init__(self, *, density: float = 0.01, error_feedback: bool = True,
-                 momentum: float = 1.0, resync_every: int = 0) -> None:
+                 feedback: str = "ef21m", momentum: float = 1.0, resync_every: int = 0) -> None:
         if not 0 < density <= 1:
             raise ValueError(f"density: expected a fraction 0 < density <= 1, got {density}")
         if resync_every < 0:
             raise ValueError(f"resync_every: expected 0 (never) or more, got {resync_every}")
+        if feedback not in FEEDBACKS:
+            raise ValueError(f"feedback: expected one of {', '.join(FEEDBACKS)}, got "
+                             f"{feedback!r}")
+        if feedback == "ef14" and (momentum != 1.0 or resync_every):
+            raise ValueError("momentum and resync_every are EF21M's: feedback ef14 keeps no "
+                             "momentum and no shared estimate")
         self.density = density
         self.error_feedback, self.momentum = error_feedback, momentum
-        # One EF21M state per tensor length: a DDP hook's buckets (of different lengths) each
-        # keep their own.
-        self.feedbacks: dict[int, EF21M] = {}
-        self.feedback: EF21M | None = None  # the state of the current call
+        self.rule = feedback
+        # One error-feedback state per tensor length: a DDP hook's buckets (of different
+        # lengths) each keep their own.
+        self.feedbacks: dict[int, EF21M | EF14] = {}
+        self.feedback: EF21M | EF14 | None = None  # the state of the current call
         EF21M(momentum)  # checks it
         self.resync_every = resync_every
         self._calls = 0
+
+    def _new_feedback(self) -> EF21M | EF14:
+        return EF21M(self.momentum) if self.rule == "ef21m" else EF14()
 
     def reduce(self, call, body: torch.Tensor, tail: torch.Tensor, step: int) -> tuple[
             torch.Tensor, torch.Tensor, dict[str, float]]:
         """The (estimated) mean of the workers' `body`s and the exact mean of their `tail`s."""
         self._calls += 1
         if self.error_feedback:
-            self.feedback = self.feedbacks.setdefault(body.numel(), EF21M(self.momentum))
+            if body.numel() not in self.feedbacks:
+                self.feedbacks[body.numel()] = self._new_feedback()
+            self.feedback = self.feedbacks[body.numel()]
             if not self.feedback.started:  # EF21M's first step: the gradients sent whole
+                assert isinstance(self.feedback, EF21M)
                 mean = call.exact_mean(torch.cat([body, tail]).to(torch.float32))
                 result = self.feedback.start(body, mean[: body.numel()])
                 figures = {"payload_bytes": 4.0 * (body.numel() + tail.numel()), "error": 0.0,
@@ -248,7 +261,7 @@ class Sparsifier:
             result = self.feedback.commit(got.own_index, got.own_values, got.mean_index,
                                           got.mean_values)
             if self.resync_every and self._calls % self.resync_every == 0:
-                assert self.feedback.own is not None
+                assert isinstance(self.feedback, EF21M) and self.feedback.own is not None
                 self.feedback.resync(call.exact_mean(self.feedback.own))
                 result = self.feedback.shared.clone()  # type: ignore[union-attr]
         elif got.mean_index is None:
