@@ -287,9 +287,9 @@ def find(outcomes: list[Any], name: str, density: float | None) -> Any:
                  and o.variant.density == density), None)
 
 
-def ms(seconds: float) -> str:
-    """Thousandths of a value, whole (seconds as ms), or '-'."""
-    return "-" if not math.isfinite(seconds) else f"{seconds * 1000:.0f}"
+def whole(value: float) -> str:
+    """A table cell rounded to a whole number, '-' for no value."""
+    return "-" if not math.isfinite(value) else f"{value:.0f}"
 
 
 def percent(value: float, against: float) -> str:
@@ -304,7 +304,7 @@ def allreduce_table(calls: list[CallOutcome]) -> list[str]:
     for o in calls:
         top = find(calls, "topk, ef14", o.variant.density)
         lines.append(
-            f"| {o.variant.name} | {fmt(o.variant.density)} | {ms(o.seconds)} | "
+            f"| {o.variant.name} | {fmt(o.variant.density)} | {whole(o.seconds * 1000)} | "
             f"{fmt(base.seconds / o.seconds if base else math.nan)} | "
             f"{fmt(top.seconds / o.seconds) + 'x' if top and o is not top else '-'} | "
             f"{o.sent / 1024:.0f} | {o.inner_calls} |")
@@ -321,11 +321,11 @@ def step_table(steps: list[StepOutcome]) -> list[str]:
         top = find(steps, "topk, ef14", o.variant.density)
         lines.append(
             f"| {o.variant.name} | {fmt(o.variant.density)} | {o.status} | "
-            f"{ms(o.step_seconds)} | "
+            f"{whole(o.step_seconds * 1000)} | "
             f"{fmt(base.step_seconds / o.step_seconds if base else math.nan)} | "
             f"{fmt(top.step_seconds / o.step_seconds) + 'x' if top and o is not top else '-'} | "
-            f"{ms(o.allreduce_seconds)} | {ms(o.compute_seconds)} | "
-            f"{ms(o.sent_per_step / 1024 / 1000)} | {fmt(o.ratio)} |")
+            f"{whole(o.allreduce_seconds * 1000)} | {whole(o.compute_seconds * 1000)} | "
+            f"{whole(o.sent_per_step / 1024)} | {fmt(o.ratio)} |")
     return lines
 
 
