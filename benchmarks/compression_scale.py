@@ -72,20 +72,22 @@ class Variant:
     density: float | None
     spec: dict[str, Any]
     oracle: str | None = None
+    shaped: bool = True  # False: no parameter shapes, rows are blocks of `block` values
 
     @property
     def timed(self) -> bool:
         """Whether parts A and B time it: every compressor once (EF14 and EF21M send the
         same bytes; EF21M's first step, sent whole, is one step of many), no diagnostic."""
-        return self.oracle is None and (self.density is None
-                                        or self.spec.get("feedback") == "ef14")
+        return self.oracle is None and self.shaped and (self.density is None
+                                                        or self.spec.get("feedback") == "ef14")
 
 
 def variants(densities: list[float]) -> list[Variant]:
     """Dense, PowerSGD, and per density Top-K, Rand-K and ARC-Top-K (the paper's projection
     sketch and the marginal one) with EF14, the error feedback of the paper's released runs;
-    at the first density also EF21M (the paper's theory and this project's default) and the
-    diagnostics."""
+    at the first density also EF21M (the paper's theory and this project's default), the
+    projection over rows of 16 consecutive values (finer than a weight's rows, one projection
+    a row: a sketch of n / 16 values) and the diagnostics."""
     rows = [Variant("none", None, {"kind": "none"}),
             Variant("powersgd", None, {"kind": "powersgd", "rank": 4})]
     for i, d in enumerate(densities):
@@ -98,6 +100,9 @@ def variants(densities: list[float]) -> list[Variant]:
         if i == 0:
             rows += [Variant("topk, ef21m", d, {"kind": "topk", "density": d}),
                      Variant("arc_topk, ef21m", d, {"kind": "arc_topk", "density": d}),
+                     Variant("arc_topk rows of 16, ef14", d,
+                             {"kind": "arc_topk", "block": 16, "sketch_rank": 1, **ef14},
+                             shaped=False),
                      Variant("exact rows, ef14 (diagnostic)", d,
                              {"kind": "arc_topk", **ef14}, oracle="rows"),
                      Variant("mean per coordinate, ef14 (diagnostic)", d,
@@ -270,8 +275,8 @@ class MetricOutcome:
 def accuracy_part(rows: list[Variant], steps: int, seeds: int) -> list[MetricOutcome]:
     outcomes = []
     for variant in rows:
-        runs = [train_in_process(MODEL, lambda v=variant: make(v), steps, SEED + i, True,
-                                 threads=THREADS) for i in range(seeds)]
+        runs = [train_in_process(MODEL, lambda v=variant: make(v), steps, SEED + i,
+                                 variant.shaped, threads=THREADS) for i in range(seeds)]
         outcomes.append(MetricOutcome(variant, [r[0] for r in runs], runs[0][1], runs[0][2]))
         print(f"perplexity {variant.name:40} {fmt(variant.density)} "
               f"{' '.join(f'{r[0]:.4g}' for r in runs)}  values/call {runs[0][1]:.0f}",
