@@ -92,11 +92,11 @@ def variants(densities: list[float]) -> list[Variant]:
             Variant("powersgd", None, {"kind": "powersgd", "rank": 4})]
     for i, d in enumerate(densities):
         ef14 = {"density": d, "feedback": "ef14"}
-        rows += [Variant("topk, ef14", d, {"kind": "topk", **ef14}),
-                 Variant("randk, ef14", d, {"kind": "randk", **ef14}),
+        rows += [Variant("topk, ef14", d, {"kind": "topk", **ef14}),  # ARC-Top-K right after
                  Variant("arc_topk, ef14", d, {"kind": "arc_topk", **ef14}),
                  Variant("arc_topk marginal, ef14", d,
-                         {"kind": "arc_topk", "sketch": "marginal", **ef14})]
+                         {"kind": "arc_topk", "sketch": "marginal", **ef14}),
+                 Variant("randk, ef14", d, {"kind": "randk", **ef14})]
         if i == 0:
             rows += [Variant("topk, ef21m", d, {"kind": "topk", "density": d}),
                      Variant("arc_topk, ef21m", d, {"kind": "arc_topk", "density": d}),
