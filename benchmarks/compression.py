@@ -15,8 +15,8 @@ all-reduce time and step time, and the run's wall time.
 
 Part 2: what limits ARC-Top-K against Top-K, in one process with exact means over several
 seeds: ARC-Top-K as shipped (the paper's projection sketch, EF21M) against variants that each
-change one thing (EF14, the aggregate's exact row energies, the marginal sketch, scores at full
-resolution, the aggregate's own top-k, four times the density).
+change one thing (EF14, the aggregate's exact row energies, the marginal sketch, the
+aggregate's own top-k).
 
 The large model (over a million parameters) at the paper's densities is
 `benchmarks.compression_scale`.
@@ -297,18 +297,13 @@ class LocalCall:
 
 def oracles() -> dict[str, type]:
     """ARC-Top-K with patterns from what a sketch can only estimate, each a dense all-reduce
-    of x (diagnostics, not compressors): `energy` scores every coordinate by its energy summed
-    over the workers (the marginal sketch's score at full resolution); `mean` by |mean_i x_i|
-    (the aggregate's own top-k: the ceiling of any one shared pattern); `rows` keeps the rows
-    of largest exact aggregate energy ||mean_i Y_ia||^2 (what the projection estimates: the
+    of x (diagnostics, not compressors): `mean` scores every coordinate by |mean_i x_i| (the
+    aggregate's own top-k: the ceiling of any one shared pattern); `rows` keeps the rows of
+    largest exact aggregate energy ||mean_i Y_ia||^2 (what the projection estimates: the
     ceiling of whole rows)."""
     import torch
 
     from testbed.collectives.compression import sparsify as sp
-
-    class EnergySketch(sp.ARCTopK):
-        def scores(self, call, x):
-            return call.agree(x.square()), x.numel()
 
     class MeanSketch(sp.ARCTopK):
         def scores(self, call, x):
@@ -323,7 +318,7 @@ def oracles() -> dict[str, type]:
             sketch = torch.cat(norms) if norms else torch.zeros(0)
             return sp.projection_pattern(sketch, pieces, 1, self.density), x.numel()
 
-    return {"energy": EnergySketch, "mean": MeanSketch, "rows": ExactRows}
+    return {"mean": MeanSketch, "rows": ExactRows}
 
 
 def limits_compressors(density: float) -> dict[str, Any]:
@@ -339,11 +334,8 @@ def limits_compressors(density: float) -> dict[str, Any]:
         "arc_topk, ef14": lambda: ARCTopK(density=density, feedback="ef14"),
         "arc_topk, exact rows": lambda: oracle["rows"](density=density),
         "arc_topk, marginal": lambda: ARCTopK(density=density, sketch="marginal"),
-        "arc_topk, energy per coordinate": lambda: oracle["energy"](density=density,
-                                                                    sketch="marginal"),
         "arc_topk, mean per coordinate": lambda: oracle["mean"](density=density,
                                                                 sketch="marginal"),
-        f"arc_topk_x{WORLD}": lambda: ARCTopK(density=min(1.0, WORLD * density)),
     }
 
 
@@ -696,11 +688,8 @@ def reading(outcomes: list[Outcome], calls: list[CallOutcome],
             "of k coordinates costs against Top-K's N patterns. `exact rows` picks whole rows "
             "by the aggregate's exact energy: between it and `arc_topk` is the cost of the "
             "projection's estimate, between it and `mean per coordinate` the cost of whole "
-            "rows. `energy per coordinate` keeps the marginal sketch's score (energies summed "
-            "over the workers, which also count what the workers' disagreement cancels in the "
-            "mean) at full resolution; between it and `arc_topk, marginal` is the cost of "
-            "estimating it from rows and columns. A difference smaller than about twice the "
-            "standard errors is within the seeds' spread.")
+            "rows. A difference smaller than about twice the standard errors is within the "
+            "seeds' spread.")
     return lines
 
 
@@ -782,10 +771,9 @@ def report(outcomes: list[Outcome], calls: list[CallOutcome], limits: list[Limit
         "), with ARC-Top-K as shipped (the projection sketch, EF21M) and variants that each "
         "change one thing: EF14 instead of EF21M (for Top-K too); the rows of largest exact "
         "aggregate energy (what the projection estimates: a dense all-reduce); the marginal "
-        "sketch (row and column energies, single coordinates); every coordinate scored by its "
-        "energy summed over the workers (the marginal score at full resolution: a sketch of n "
-        "values); every coordinate scored by |mean_i x_i| (the aggregate's top-k: a dense "
-        f"all-reduce, what a sketch can only estimate); {WORLD}x the density. `values sent` "
+        "sketch (row and column energies, single coordinates); every coordinate scored by "
+        "|mean_i x_i| (the aggregate's top-k: a dense all-reduce, what a sketch can only "
+        "estimate). `values sent` "
         "counts, per call and worker after EF21M's first (which sends everything), what the "
         "sparsifier puts on "
         "the wire as 4-byte words: sketch and values (Top-K: indices and values, sent to "
