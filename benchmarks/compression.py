@@ -13,9 +13,13 @@ PowerSGD (ours, over the ring), INT8 and INT4 (group-wise, two-step). Every cell
 bytes each worker sent per step (frame headers included, from the step events), the mean
 all-reduce time and step time, and the run's wall time.
 
-Part 2: what limits ARC-Top-K against Top-K, in one process with
-exact means over several seeds: ARC-Top-K as shipped against variants that each change one
-thing (no shapes, full-resolution scores, the aggregate's own top-k, four times the density).
+Part 2: what limits ARC-Top-K against Top-K, in one process with exact means over several
+seeds: ARC-Top-K as shipped (the paper's projection sketch, EF21M) against variants that each
+change one thing (EF14, the aggregate's exact row energies, the marginal sketch, the
+aggregate's own top-k).
+
+The large model (over a million parameters) at the paper's densities is
+`benchmarks.compression_scale`.
 
 Part 3: PowerSGD against its real peer, torch.distributed.algorithms.ddp_comm_hooks'
 `powerSGD_hook`, on the same model's real gradients in one process (a one-worker gloo group,
@@ -62,6 +66,10 @@ JOBS = {
             "eval_samples": 512},
     "char-lm": {"model": "char-lm", "batch": 32, "optimizer": {"adam": {"lr": 3.0e-3}},
                 "eval_samples": 512, "corpus_chars": 200_000},
+    # benchmarks.compression_scale's: 1.28M parameters, bandwidth-bound on 100 Mbit/s
+    "char-lm-1m": {"model": "char-lm", "width": 160, "layers": 4, "batch": 8,
+                   "optimizer": {"adam": {"lr": 3.0e-3}}, "eval_samples": 512,
+                   "corpus_chars": 400_000},
 }
 TIMEOUT = 600.0
 QUICK_TIMEOUT = 240.0
@@ -144,9 +152,10 @@ def run_cell(cell: Cell, steps: int, density: float, timeout: float, workdir: Pa
         outcome.compute_seconds = float(np.nanmean(run.column("compute_seconds")))
         ts = run.column("t")
         outcome.train_seconds = float(np.nanmax(ts) - np.nanmin(ts))
-        if cell.kind != "none":
-            outcome.ratio = float(np.nanmean(run.column("compression_ratio")))
-            outcome.error = float(np.nanmean(run.column("compression_error")))
+        if cell.kind != "none":  # (EF21M's first step, the gradient sent whole, left out)
+            later = run.column("step") > 0
+            outcome.ratio = float(np.nanmean(run.column("compression_ratio")[later]))
+            outcome.error = float(np.nanmean(run.column("compression_error")[later]))
     if ran.status == "ok" and len(ran.evaluations) == WORLD:
         evaluations = ran.evaluations
         outcome.accuracy = sum(e["accuracy"] for e in evaluations) / WORLD
@@ -282,32 +291,51 @@ class LocalCall:
     def agree(self, sketch: Any) -> Any:
         return self.allreduce(sketch) * WORLD
 
+    def exact_mean(self, tensor: Any) -> Any:
+        return self.allreduce(tensor)
 
-def limits_compressors(density: float) -> dict[str, Any]:
-    """The rows of part 2: Top-K, ARC-Top-K as shipped and variants that change one thing."""
-    from testbed.collectives.compression.sparsify import ARCTopK, TopK
 
-    class EnergySketch(ARCTopK):
-        """Scores every coordinate by its energy summed over the workers (a sketch of n
-        values): the shipped score at full resolution."""
+def oracles() -> dict[str, type]:
+    """ARC-Top-K with patterns from what a sketch can only estimate, each a dense all-reduce
+    of x (diagnostics, not compressors): `mean` scores every coordinate by |mean_i x_i| (the
+    aggregate's own top-k: the ceiling of any one shared pattern); `rows` keeps the rows of
+    largest exact aggregate energy ||mean_i Y_ia||^2 (what the projection estimates: the
+    ceiling of whole rows)."""
+    import torch
 
-        def scores(self, call, x):
-            return call.agree(x.square()), x.numel()
+    from testbed.collectives.compression import sparsify as sp
 
-    class MeanSketch(ARCTopK):
-        """Scores every coordinate by |mean_i x_i| (the mean itself, n values): the top-k of
-        the aggregate that any sketch can only estimate."""
-
+    class MeanSketch(sp.ARCTopK):
         def scores(self, call, x):
             return call.allreduce(x).abs(), x.numel()
 
+    class ExactRows(sp.ARCTopK):
+        def pattern(self, call, x, step):
+            pieces = sp.projection_layout(self.shapes, x.numel(), self.block)
+            mean = call.allreduce(x)
+            norms = [mean[start: start + rows * cols].view(rows, cols).norm(dim=1)
+                     for start, rows, cols in pieces if cols]  # a "sketch" of rank 1, exact
+            sketch = torch.cat(norms) if norms else torch.zeros(0)
+            return sp.projection_pattern(sketch, pieces, 1, self.density), x.numel()
+
+    return {"mean": MeanSketch, "rows": ExactRows}
+
+
+def limits_compressors(density: float) -> dict[str, Any]:
+    """The rows of part 2: Top-K, ARC-Top-K as shipped (the projection sketch, EF21M) and
+    variants that change one thing."""
+    from testbed.collectives.compression.sparsify import ARCTopK, TopK
+
+    oracle = oracles()
     return {
         "topk": lambda: TopK(density=density),
+        "topk, ef14": lambda: TopK(density=density, feedback="ef14"),
         "arc_topk": lambda: ARCTopK(density=density),
-        "arc_topk, no shapes (rows of 16)": lambda: ARCTopK(density=density, block=16),
-        "arc_topk, energy per coordinate": lambda: EnergySketch(density=density),
-        "arc_topk, mean per coordinate": lambda: MeanSketch(density=density),
-        f"arc_topk_x{WORLD}": lambda: ARCTopK(density=min(1.0, WORLD * density)),
+        "arc_topk, ef14": lambda: ARCTopK(density=density, feedback="ef14"),
+        "arc_topk, exact rows": lambda: oracle["rows"](density=density),
+        "arc_topk, marginal": lambda: ARCTopK(density=density, sketch="marginal"),
+        "arc_topk, mean per coordinate": lambda: oracle["mean"](density=density,
+                                                                sketch="marginal"),
     }
 
 
@@ -321,10 +349,11 @@ class LimitOutcome:
 
 
 def train_in_process(model_name: str, make: Any, steps: int, seed: int,
-                     shaped: bool) -> tuple[float, float, int]:
-    """`steps` steps of the benchmark's job with WORLD workers in threads, exact means,
-    every worker's compressor from `make`; the held-out metric, the payload values per call
-    of rank 0 and the model's parameters."""
+                     shaped: bool, threads: int = 1) -> tuple[float, float, int]:
+    """`steps` steps of the benchmark's job `model_name` with WORLD workers in threads, exact
+    means, every worker's compressor from `make` (torch using `threads` threads); the
+    held-out metric, the payload values per call of rank 0 (mean over the calls after
+    EF21M's first, which sends everything) and the model's parameters."""
     from concurrent.futures import ThreadPoolExecutor
 
     import torch
@@ -336,11 +365,11 @@ def train_in_process(model_name: str, make: Any, steps: int, seed: int,
     from testbed.train.models import build_model, evaluate, loss_fn
     from testbed.train.strategies import write_flat
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     spec = JOBS[model_name]
     config = TrainConfig.parse({k: v for k, v in spec.items() if k != "optimizer"}, seed=seed)
     data = load_dataset(config)
-    model = build_model(model_name, data, config.context, seed)
+    model = build_model(config.model, data, config.context, seed, config.width, config.layers)
     parameters = list(model.parameters())
     optimizer = torch.optim.Adam(parameters, lr=spec["optimizer"]["adam"]["lr"])
     shards = [Shard(len(data.train_y), rank, WORLD, seed) for rank in range(WORLD)]
@@ -364,16 +393,17 @@ def train_in_process(model_name: str, make: Any, steps: int, seed: int,
                 LocalCall(group, rank), x[rank], torch.zeros(0), s), range(WORLD)))
         if not all(torch.equal(r[0], results[0][0]) for r in results):
             raise RuntimeError("the workers' estimates differ")
-        payload += results[0][2]["payload_bytes"] / 4
+        if step:
+            payload += results[0][2]["payload_bytes"] / 4
         for parameter in parameters:  # every worker steps on the same estimate
             parameter.grad = torch.empty_like(parameter)
         write_flat(results[0][0], [p.grad for p in parameters])
         optimizer.step()
     pool.shutdown()
     figures = evaluate(model, data, spec["eval_samples"])
-    metric = figures["accuracy"] if model_name == "cnn" else figures.get(
+    metric = figures["accuracy"] if config.model == "cnn" else figures.get(
         "perplexity", math.exp(figures["loss"]))
-    return metric, payload / steps, sum(p.numel() for p in parameters)
+    return metric, payload / max(1, steps - 1), sum(p.numel() for p in parameters)
 
 
 def limits_part(models: list[str], steps: dict[str, int], density: float,
@@ -655,11 +685,11 @@ def reading(outcomes: list[Outcome], calls: list[CallOutcome],
         lines.append(
             "- Part 2's rows change one thing each. `mean per coordinate` picks the top-k of "
             "the aggregate itself: what is left of the gap there is what one shared pattern "
-            "of k coordinates costs against Top-K's N patterns. `energy per coordinate` keeps "
-            "the shipped score (energies summed over the workers, which also count what the "
-            "workers' disagreement cancels in the mean) at full resolution; between it and "
-            "`arc_topk` is the cost of estimating it from rows and columns. A difference "
-            "smaller than about twice the standard errors is within the seeds' spread.")
+            "of k coordinates costs against Top-K's N patterns. `exact rows` picks whole rows "
+            "by the aggregate's exact energy: between it and `arc_topk` is the cost of the "
+            "projection's estimate, between it and `mean per coordinate` the cost of whole "
+            "rows. A difference smaller than about twice the standard errors is within the "
+            "seeds' spread.")
     return lines
 
 
@@ -692,7 +722,7 @@ def report(outcomes: list[Outcome], calls: list[CallOutcome], limits: list[Limit
         "(host fallback shaping, htb), the ring with each compressor, one worker per "
         f"namespace (threads of one process), {' and '.join(f'{n:,}' for n in sizes)} fp32 "
         "values per worker (structured: a shared vector plus per-worker noise; no shapes, so "
-        f"ARC-Top-K's sketch is rows of {arc_block(density)} values), {ALLREDUCE_CALLS} calls "
+        f"ARC-Top-K's rows are blocks of {arc_block(density)} values), {ALLREDUCE_CALLS} calls "
         "each; the slowest worker's call time, median over the calls. Same densities as part "
         "1.",
         "",
@@ -707,23 +737,25 @@ def report(outcomes: list[Outcome], calls: list[CallOutcome], limits: list[Limit
         "`collective.compressor`. Jobs: " + "; ".join(
             f"`{m}` {JOBS[m]['batch']} samples per worker and step, Adam lr "
             f"{JOBS[m]['optimizer']['adam']['lr']:g}, {steps[m]} steps" for m in models) +
-        f", seed {SEED}. Sparsifiers at density {density:g} (ARC-Top-K: that fraction of the "
-        "coordinates, picked from its sketch of every weight matrix's row and column "
-        f"energies, the worker giving the parameters' shapes; `arc_topk_x{WORLD}`: {WORLD}x "
-        "that density, whose values cost what Top-K's indices and values do, since Top-K "
-        "gathers N patterns; the sketch comes on top), EF21M eta 1 "
-        "(EF21: Adam keeps the momentum); PowerSGD rank 4 (per weight "
+        f", seed {SEED}. Sparsifiers at density {density:g} (ARC-Top-K with the paper's "
+        "projection sketch: that fraction of every weight matrix's rows, at least one, whole, "
+        "picked from the summed projections of the rows on a shared random matrix of 4 "
+        "columns, vectors whole, the worker giving the parameters' shapes; "
+        f"`arc_topk_x{WORLD}`: {WORLD}x that density, whose values cost what Top-K's indices "
+        "and values do, since Top-K gathers N patterns; the sketch comes on top), EF21M eta 1 "
+        "(EF21: Adam keeps the momentum; the first step sends the gradients whole); PowerSGD "
+        "rank 4 (per weight "
         "matrix: the worker gives the parameters' shapes); INT8 and INT4 symmetric, nearest "
         "rounding, 128 values per scale.",
         "",
         "Columns: `held-out` is the mean over the workers after the last step; `payload "
-        "ratio` the compressor's payload over fp32 (values, indices, scales, sketch; step "
-        "mean); `compression error` ||C(x) - x|| / ||x|| of what a worker compressed (step "
-        "mean); `KiB sent per step` what one worker's collective sent on the wire, frame "
-        "headers included; `all-reduce ms` the mean time of one compressed all-reduce; `compute "
-        "ms` a step's forward and backward pass (the same work in every cell of a model: "
-        "where it differs, the shared machine's load did, and every time in that cell with "
-        "it); "
+        "ratio` the compressor's payload over fp32 (values, indices, scales, sketch; mean over "
+        "the steps after the first); `compression error` ||C(x) - x|| / ||x|| of what a "
+        "worker compressed (the same mean); `KiB sent per step` what one worker's collective "
+        "sent on the wire, frame headers included; `all-reduce ms` the mean time of one "
+        "compressed all-reduce; `compute ms` a step's forward and backward pass (the same "
+        "work in every cell of a model: where it differs, the shared machine's load did, and "
+        "every time in that cell with it); "
         "`training s` first to last step event (start-up excluded); `wall s` the whole run, "
         "start-up (namespaces, four torch imports, data) included.",
         "",
@@ -736,12 +768,14 @@ def report(outcomes: list[Outcome], calls: list[CallOutcome], limits: list[Limit
         f"{WORLD} workers as threads of one process with exact means (no network: only the "
         "compressors differ), over several seeds (" + ", ".join(
             f"{m}: {seeds[m]}, from {SEED}" for m in limit_models) +
-        "), with ARC-Top-K as shipped and variants that each change one thing: without the "
-        "parameters' shapes (rows of 16 consecutive values, as for a DDP bucket); every "
-        "coordinate scored by its energy summed over the workers (the shipped score at full "
-        "resolution: a sketch of n values); every coordinate scored by |mean_i x_i| (the "
-        f"aggregate's top-k: a dense all-reduce, what a sketch can only estimate); {WORLD}x "
-        "the density. `values sent` counts, per call and worker, what the sparsifier puts on "
+        "), with ARC-Top-K as shipped (the projection sketch, EF21M) and variants that each "
+        "change one thing: EF14 instead of EF21M (for Top-K too); the rows of largest exact "
+        "aggregate energy (what the projection estimates: a dense all-reduce); the marginal "
+        "sketch (row and column energies, single coordinates); every coordinate scored by "
+        "|mean_i x_i| (the aggregate's top-k: a dense all-reduce, what a sketch can only "
+        "estimate). `values sent` "
+        "counts, per call and worker after EF21M's first (which sends everything), what the "
+        "sparsifier puts on "
         "the wire as 4-byte words: sketch and values (Top-K: indices and values, sent to "
         f"N - 1 = {WORLD - 1} workers by its all-gather where an all-reduce sends about "
         "2 (N - 1) / N of its payload).",

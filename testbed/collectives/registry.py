@@ -236,14 +236,21 @@ register(Kind(
 
 # --- the compressors ----------------------------------------------------------------------------
 
-_SPARSIFIER = ("density", "error_feedback", "momentum", "resync_every")
+_SPARSIFIER = ("density", "error_feedback", "feedback", "momentum", "resync_every")
+# The sparsifiers' error feedback (docs/compression.md): EF21M (with momentum, a shared
+# estimate) or EF14 (each worker's own error, no shared state).
+FEEDBACKS = ("ef21m", "ef14")
 _QUANTIZER = ("group_size", "symmetric", "stochastic", "seed")
+# ARC-Top-K's sketches (docs/compression.md): `projection`, the paper's (each weight matrix's
+# rows projected on a shared random matrix of `sketch_rank` columns, whole rows kept), and
+# `marginal` (row and column energies, single coordinates kept).
+ARC_SKETCHES = ("projection", "marginal")
 COMPRESSORS: dict[str, CompressorKind] = {c.name: c for c in (
     CompressorKind("none", ()),
     CompressorKind("topk", _SPARSIFIER, needs_exchange=True),
     CompressorKind("randk", (*_SPARSIFIER, "seed")),
-    CompressorKind("arc_topk", ("density", "block", "error_feedback", "momentum",
-                                "resync_every"), agrees=True),
+    CompressorKind("arc_topk", (*_SPARSIFIER, "sketch", "sketch_rank", "block", "seed"),
+                   agrees=True),
     CompressorKind("int8", _QUANTIZER, needs_exchange=True),
     CompressorKind("int4", _QUANTIZER, needs_exchange=True),
     CompressorKind("powersgd", ("rank", "error_feedback", "seed")),

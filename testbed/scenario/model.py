@@ -271,6 +271,10 @@ class Workers(_Model):
 
 CompressorKind = Literal["none", "topk", "randk", "arc_topk", "int8", "int4", "powersgd"]
 assert get_args(CompressorKind) == tuple(registry.COMPRESSORS)
+ArcSketch = Literal["projection", "marginal"]
+assert get_args(ArcSketch) == registry.ARC_SKETCHES
+Feedback = Literal["ef21m", "ef14"]
+assert get_args(Feedback) == registry.FEEDBACKS
 
 
 class Compressor(_Model):
@@ -282,6 +286,13 @@ class Compressor(_Model):
                                  "int8, int4 or powersgd.")
     density: float = Field(default=0.01, gt=0, le=1, description="Fraction of the values a "
                            "sparsifier sends.")
+    sketch: ArcSketch = Field(default="projection", description="arc_topk: how the workers "
+                              "agree on a pattern: projection (the paper's: each weight "
+                              "matrix's rows projected on a shared random matrix, whole rows "
+                              "kept) or marginal (row and column energies, single coordinates "
+                              "kept).")
+    sketch_rank: int = Field(default=4, ge=1, description="arc_topk with sketch projection: "
+                             "columns of the random projection (the paper's r).")
     block: int = Field(default=64, ge=1, description="arc_topk without the parameters' shapes "
                        "(a DDP bucket): values per row of the sketch.")
     group_size: int = Field(default=128, ge=2, le=65536, multiple_of=2, description="int8/int4: "
@@ -290,15 +301,19 @@ class Compressor(_Model):
                             "asymmetric (scale and minimum) per group.")
     stochastic: bool = Field(default=False, description="int8/int4: stochastic rounding "
                              "(unbiased) instead of nearest.")
-    error_feedback: bool = Field(default=True, description="Sparsifiers: EF21M; powersgd: its "
-                                 "error memory.")
+    error_feedback: bool = Field(default=True, description="Sparsifiers: error feedback (which: "
+                                 "`feedback`); powersgd: its error memory.")
+    feedback: Feedback = Field(default="ef21m", description="Sparsifiers' error feedback: "
+                               "ef21m (momentum, a shared estimate, the first step sent whole) "
+                               "or ef14 (each worker's own error).")
     momentum: float = Field(default=1.0, gt=0, le=1, description="EF21M's eta (1: EF21; the "
                             "job's optimizer keeps its own momentum).")
     resync_every: int = Field(default=0, ge=0, description="Sparsifiers: every N calls, set the "
                               "shared EF21M estimate to the exact mean (0: never).")
     rank: int = Field(default=2, ge=1, description="powersgd: rank of the approximation.")
-    seed: int = Field(default=0, ge=0, description="randk: the shared seed; int8/int4: "
-                      "stochastic rounding; powersgd: the first Q.")
+    seed: int = Field(default=0, ge=0, description="randk: the shared seed; arc_topk: the "
+                      "shared projections; int8/int4: stochastic rounding; powersgd: the first "
+                      "Q.")
 
     @model_validator(mode="after")
     def _own_parameters(self) -> Compressor:
@@ -307,6 +322,9 @@ class Compressor(_Model):
             if name not in allowed:
                 raise ValueError(f"{name}: not a parameter of {self.kind}; allowed: "
                                  f"{', '.join(allowed) or 'none'}")
+        if self.feedback == "ef14" and (self.momentum != 1.0 or self.resync_every):
+            raise ValueError("momentum and resync_every are EF21M's: feedback ef14 keeps no "
+                             "momentum and no shared estimate")
         return self
 
     def parameters(self) -> dict[str, Any]:

@@ -110,6 +110,8 @@ class TrainConfig(_Spec):
     eval_samples: int = Field(default=512, ge=1)
     context: int = Field(default=64, ge=2)
     corpus_chars: int = Field(default=2_000_000, ge=10_000)
+    width: int = Field(default=64, ge=4, multiple_of=4)  # char-lm: 4 heads share it
+    layers: int = Field(default=2, ge=1)
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainConfig:
@@ -119,6 +121,8 @@ class TrainConfig(_Spec):
             )
         if "average_every" in self.model_fields_set and self.strategy != "average":
             raise ValueError("average_every applies to strategy: average only")
+        if self.model_fields_set & {"width", "layers"} and self.model != "char-lm":
+            raise ValueError("width and layers apply to model: char-lm only")
         if self.drop_compute is not None:
             if self.micro_batches < 2:
                 raise ValueError("drop_compute needs micro_batches >= 2: it drops micro-batches")

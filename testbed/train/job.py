@@ -138,7 +138,8 @@ class Job:
         self.slowdown = slowdown
         self.data = load_dataset(config)
         self.shard = Shard(len(self.data.train_y), rank, world, config.seed)
-        self.model = build_model(config.model, self.data, config.context, config.seed)
+        self.model = build_model(config.model, self.data, config.context, config.seed,
+                                 config.width, config.layers)
         self.parameters = list(self.model.parameters())
         self.strategy = make_strategy(config, collective, self.model)
         self.delay = (

@@ -70,6 +70,13 @@ def test_a_compressor_needs_an_exchange_where_the_registry_says():
     assert not registry.compressor_kind("randk").exchange_needed(moshpit)
 
 
+def test_arc_topk_takes_its_sketch_and_the_sparsifiers_parameters():
+    arc = registry.compressor_kind("arc_topk")
+    assert set(registry.compressor_kind("topk").parameters) < set(arc.parameters)
+    assert {"sketch", "sketch_rank", "block", "seed"} <= set(arc.parameters)
+    assert registry.ARC_SKETCHES[0] == "projection", "the paper's sketch is the default"
+
+
 NO_TORCH = textwrap.dedent("""
     import sys
 

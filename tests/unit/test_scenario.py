@@ -193,6 +193,16 @@ INVALID = {
         BASE + "job: {seed: 3}\n", "job.seed", "set seed at the top level", 3),
     "job field validated by TrainConfig": (
         BASE + "job: {model: gpt}\n", "job.model", "expected 'mlp', 'cnn' or 'char-lm'", 3),
+    "char-lm's size under another model": (
+        BASE + "job: {model: cnn, width: 128}\n", "job",
+        "width and layers apply to model: char-lm only", 3),
+    "an ARC-Top-K sketch that does not exist": (
+        BASE + "collective: {kind: ring, compressor: {kind: arc_topk, sketch: rows}}\n",
+        "collective.compressor.sketch", "expected 'projection' or 'marginal', got 'rows'", 3),
+    "EF21M's options with EF14": (
+        BASE + "collective: {kind: ring, compressor: {kind: topk, feedback: ef14, "
+        "momentum: 0.5}}\n", "collective.compressor", "momentum and resync_every are EF21M's",
+        3),
     "straggler validated by StragglerSpec": (
         "workers:\n  count: 2\n  overrides:\n    - worker: 1\n"
         "      straggler: {lognormal: {median: 0s, sigma: 1}}\n",
@@ -458,11 +468,16 @@ BAD = [
      "timeline[0].set_link.profile.jitter"),
     ("security: {authenticate: maybe}", "security.authenticate"),
     ("security: {authenticate: 1}", "security.authenticate"),
+    ("collective: {kind: ring, compressor: {kind: arc_topk, sketch: rows}}",
+     "collective.compressor.sketch"),
 ]
 GOOD = ["topology: {default: {delay: 0, loss: 5%, rate: 100mbit}}",
         "topology: {default: {delay: 1.5ms, jitter: 200us, loss: 0.05}}",
         "topology: {default: {delay: '0ms', loss: 100%, rate: 1.5gbit}}",
-        "security: {authenticate: auto}", "security: {authenticate: false}"]
+        "security: {authenticate: auto}", "security: {authenticate: false}",
+        "collective: {kind: ring, compressor: {kind: arc_topk, sketch: marginal, "
+        "sketch_rank: 2, seed: 3}}",
+        "job: {model: char-lm, width: 160, layers: 4}"]
 
 
 @pytest.mark.parametrize(("text", "field"), BAD, ids=[field for _, field in BAD])
