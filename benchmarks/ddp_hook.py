@@ -222,7 +222,8 @@ def observations(outcomes: list[Outcome]) -> list[str]:
 def report(outcomes: list[Outcome], command: str, started: datetime.datetime, elapsed: float,
            steps: dict[str, int], note: str = "") -> str:
     models = ", ".join(f"{m.name}: `--hidden {m.hidden}`, {m.parameters:,} parameters, "
-                       f"SGD lr {m.lr:g}, {steps[m.name]} steps" for m in MODELS.values() if m.name in steps)
+                       f"SGD lr {m.lr:g}, {steps[m.name]} steps"
+                       for m in MODELS.values() if m.name in steps)
     return "\n".join([
         "# A user's DDP script: plain gloo DDP against the testbed's collectives as its hook",
         "",
