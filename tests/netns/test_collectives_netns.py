@@ -149,9 +149,19 @@ def test_lossy_all_reduce_is_exactly_the_mean_of_the_chunks_that_came(make_lab, 
                 everything.append(stats)
         fraction = came[sent > 0] / sent[sent > 0]
         assert ((fraction > 0.8) & (fraction < 0.97)).all(), fraction
-        # Then 90% of the broadcasts come; elsewhere the own value stands (1 of 3).
         coverage = sum(s.coverage for s in everything) / len(everything)
-        assert 0.8 < coverage < 0.93, coverage
+        received = sum(s.extra["broadcast_received"] for s in everything) / len(everything)
+        if options:
+            # A lost broadcast chunk is rebuilt from its parity group or sent again: missed
+            # only if it, its group and its resend are all lost (about 0.1 * 0.19 * 0.1, 0.2%;
+            # over some 17,000 chunks the bound is far out). Coverage is then the gather's:
+            # (1 + 2 * 0.9) / 3 = 0.93.
+            assert received > 0.98, received
+            assert 0.88 < coverage < 0.98, coverage
+        else:
+            # 90% of the broadcasts come; elsewhere the own value stands (1 of 3): 0.89.
+            assert 0.85 < received < 0.95, received
+            assert 0.8 < coverage < 0.93, coverage
         assert all(s.extra["datagrams_lost"] > 0 for s in everything[-world:]), \
             "sequence numbers must show the datagrams the links dropped"
         assert all(s.extra["deadline_seconds"] < 0.5 for s in everything[-world:]), \
@@ -159,11 +169,11 @@ def test_lossy_all_reduce_is_exactly_the_mean_of_the_chunks_that_came(make_lab, 
 
         opened = Lossy._open
 
-        def forgetful(self, kind, step, bucket, sinks):
+        def forgetful(self, kind, step, bucket, sinks, **given):
             if kind == Kind.GRADIENT:  # the peer after this owner is heard, then forgotten
                 victim = (self.rank + 1) % self.world
                 sinks = {p: _Ignored(sink) if p == victim else sink for p, sink in sinks.items()}
-            return opened(self, kind, step, bucket, sinks)
+            return opened(self, kind, step, bucket, sinks, **given)
 
         monkeypatch.setattr(Lossy, "_open", forgetful)
         results = run_concurrently(*(
