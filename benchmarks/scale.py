@@ -146,17 +146,19 @@ class MemoryWatch:
 
     def _watch(self) -> None:
         while not self._stop.wait(SAMPLE):
-            for pid in self.run.worker_pids().values():
+            # The moment comes before the memory is read: reading 16 workers' smaps takes
+            # long enough on a busy host that a time taken after it lagged their first step.
+            now, pids = time.monotonic(), self.run.worker_pids().values()
+            if pids and self.first_seen is None:
+                self.first_seen = now
+            if len(pids) >= self.workers and self.all_seen is None:
+                self.all_seen = now
+            for pid in pids:
                 peak, pss = _status(pid, "VmHWM:"), _pss(pid)
                 if peak is not None:
                     self.peak[pid] = max(peak, self.peak.get(pid, 0))
                 if pss is not None:
                     self.pss[pid] = max(pss, self.pss.get(pid, 0))
-            now = time.monotonic()
-            if self.peak and self.first_seen is None:
-                self.first_seen = now
-            if len(self.peak) >= self.workers and self.all_seen is None:
-                self.all_seen = now
 
 
 def _pss(pid: int) -> int | None:
@@ -265,7 +267,8 @@ def report(network: list[NetworkFigures], training: list[TrainFigures], command:
             "### A run (`ClusterRun`, MLP on digits, every link `loss: 1%`)",
             "",
             "Seconds from calling `ClusterRun.run` (before the network exists): `processes` "
-            "until every worker process was seen in /proc, `first step` until every worker "
+            f"until the run had started every worker process (looked at every {SAMPLE} s), "
+            "`first step` until every worker "
             "had reported its first step (target for 16 workers: 30 s), `end` until `run` "
             "returned (workers done, network closed, report rendered). Peak memory is each "
             f"worker's peak (sampled every {SAMPLE} s), min / median / max in MiB: RSS (VmHWM) "
