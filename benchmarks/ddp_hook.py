@@ -23,6 +23,7 @@ import datetime
 import json
 import math
 import os
+import resource
 import statistics
 import sys
 import tempfile
@@ -121,6 +122,7 @@ class Outcome:
     final_loss: float = math.nan
     identical: bool | None = None  # every replica's checksum the same
     load: float = math.nan  # the 1-minute load average as the cell ended
+    cpu: float = math.nan  # CPU seconds (user + system) of the cell's processes
     wall: float = math.nan
     note: str = ""
 
@@ -141,9 +143,12 @@ def read_lines(path: Path) -> list[dict[str, Any]]:
 
 
 def run_cell(cell: Cell, steps: int, workdir: Path) -> Outcome:
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     ran = run_scenario(cell.scenario(steps), cell.name, workdir, cell.model.timeout)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)  # every process of the run, reaped
     outcome = Outcome(cell, ran.status, wall=ran.wall, note=ran.note,
-                      load=os.getloadavg()[0])
+                      load=os.getloadavg()[0],
+                      cpu=after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime)
     logs = workdir / cell.name / "logs"
     rank0 = read_lines(logs / "worker-0.stdout")
     per_step = [line for line in rank0 if "step" in line]
@@ -193,8 +198,8 @@ def verdict(outcome: Outcome, outcomes: list[Outcome]) -> str:
 
 def table(outcomes: list[Outcome]) -> list[str]:
     rows = ["| model | network | way | steps | step s | vs plain | target | final loss "
-            "| replicas | load | status |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+            "| replicas | load | CPU s | status |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for o in outcomes:
         value = ratio(o, outcomes)
         replicas = {True: "identical", False: "differ", None: "-"}[o.identical]
@@ -203,7 +208,7 @@ def table(outcomes: list[Outcome]) -> list[str]:
             f"| {o.cell.model.name} ({o.cell.model.parameters / 1e6:.2g}M) | {o.cell.network} "
             f"| {o.cell.way} | {o.steps} | {fmt(o.step_seconds)} "
             f"| {'-' if math.isnan(value) else f'{value:.2f}x'} | {verdict(o, outcomes)} "
-            f"| {fmt(o.final_loss, 4)} | {replicas} | {o.load:.1f} | {status} |")
+            f"| {fmt(o.final_loss, 4)} | {replicas} | {o.load:.1f} | {fmt(o.cpu)} | {status} |")
     return rows
 
 
@@ -252,7 +257,10 @@ def report(outcomes: list[Outcome], command: str, started: datetime.datetime, el
         f"rank 0's training loss, mean of the last {LAST} steps; `replicas` whether every "
         "worker's parameters ended bit-identical (lossy under loss lets them differ where a "
         "broadcast chunk was missed); `load` the 1-minute load average as the cell ended "
-        "(2 cores: above 2, the cell shared the CPU with more than its own work).",
+        "(2 cores: above 2, the cell shared the CPU with more than its own work); `CPU s` the "
+        "user and system CPU seconds of the cell's processes (the zygote, the workers, their "
+        "scripts; start-up included; the kernel's packet work in softirq only where it ran "
+        "on their time).",
         "",
         *table(outcomes),
         "",
