@@ -67,7 +67,7 @@ def test_a_peer_that_never_starts_is_named_in_the_timeout():
     addresses = [listener.address for listener in listeners]
     try:
         with pytest.raises(TransportTimeout, match=r"rank 1: .* for ranks \[2\]"):
-            Ring(1, 3, addresses=addresses, listener=listeners[1], timeout=0.5)
+            Ring(1, 3, addresses=addresses, listener=listeners[1], rendezvous_timeout=0.5)
     finally:
         for listener in listeners:
             listener.close()
