@@ -8,7 +8,6 @@ from __future__ import annotations
 import threading
 import time
 
-import numpy as np
 import pytest
 import torch
 
@@ -376,10 +375,10 @@ def test_drift_stays_bounded_over_1000_steps_at_30_percent_loss_without_resync()
 
 
 def broadcast_came(loss: SeededLoss, step: int, owner: int, receiver: int, size: int,
-                   chunk_numel: int, group: int) -> np.ndarray:
-    """Which data chunks of an owner's broadcast (a `size`-element shard and its counts) a
-    receiver holds after the seeded loss and the parity repair: a chunk lost alone in its group
-    of `group` comes back if the group's parity chunk came."""
+                   chunk_numel: int, group: int) -> torch.Tensor:
+    """Per element of an owner's `size`-element shard: whether a receiver holds its broadcast
+    chunk after the seeded loss and the parity repair (the shard travels with its counts; a
+    chunk lost alone in its group of `group` comes back if the group's parity chunk came)."""
     chunks = -(-(size + -(-size // chunk_numel)) // chunk_numel)
     groups = -(-chunks // group)
     came = ~loss.lost(Kind.PARAMETER, step, 0, owner, receiver, chunks + groups)
@@ -389,7 +388,7 @@ def broadcast_came(loss: SeededLoss, step: int, owner: int, receiver: int, size:
         lost = [c for c in members if not came[c]]
         if len(lost) == 1 and came[chunks + g]:
             data[lost[0]] = True
-    return data
+    return torch.from_numpy(data).repeat_interleave(chunk_numel)[:size]
 
 
 @pytest.mark.parametrize("group", [1, 3])
@@ -408,9 +407,7 @@ def test_parity_rebuilds_a_chunk_lost_alone_in_its_group_bit_for_bit(group):
                 if owner == receiver:
                     continue
                 size = shard.stop - shard.start
-                came = torch.from_numpy(broadcast_came(loss, 0, owner, receiver, size,
-                                                       chunk_numel, group))
-                where = came.repeat_interleave(chunk_numel)[:size]
+                where = broadcast_came(loss, 0, owner, receiver, size, chunk_numel, group)
                 fresh = results[owner][0][shard]  # what the owner made and sent, exactly
                 assert torch.equal(parameters[shard], torch.where(where, fresh, start[shard]))
             rebuilt += stats.extra["chunks_rebuilt"]
@@ -444,9 +441,7 @@ def test_a_missed_chunk_takes_the_last_update_received_there():
                 if owner == receiver:
                     continue
                 size = shard.stop - shard.start
-                came = torch.from_numpy(broadcast_came(loss, 1, owner, receiver, size,
-                                                       chunk_numel, 1 << 30))
-                where = came.repeat_interleave(chunk_numel)[:size]
+                where = broadcast_came(loss, 1, owner, receiver, size, chunk_numel, 1 << 30)
                 assert not where.all()
                 torch.testing.assert_close(parameters[shard],
                                            torch.where(where, owners[shard], guess[shard]))
@@ -470,9 +465,7 @@ def test_a_missed_chunk_takes_the_update_of_the_local_gradient():
                 if owner == receiver:
                     continue
                 size = shard.stop - shard.start
-                came = torch.from_numpy(broadcast_came(loss, 0, owner, receiver, size,
-                                                       chunk_numel, 1 << 30))
-                where = came.repeat_interleave(chunk_numel)[:size]
+                where = broadcast_came(loss, 0, owner, receiver, size, chunk_numel, 1 << 30)
                 torch.testing.assert_close(parameters[shard],
                                            torch.where(where, owners[shard], local[shard]))
     finally:
