@@ -12,8 +12,14 @@ per-step lines) and its ratio to plain DDP's on the same network, the final trai
 (mean of the last steps'), and whether every replica ended identical.
 Writes benchmarks/results/ddp-hook.md after every cell.
 
+`--profile` says where the lossy hook's time goes: its cells run `benchmarks/ddp_hook_job.py`
+(train.py with the same hook, rank 0 printing each call's phases: wall and CPU seconds, datagrams,
+the time it queued behind earlier buckets), and two more ways measure what is not the network's:
+`local` (a hook that hands the bucket back at once: computation and DDP's own work) and
+`local-thread` (the same through the hook's thread and futures: the hand-offs).
+
     .venv/bin/python -m benchmarks.ddp_hook [--quick] [--models small,large]
-        [--networks clean,100mbit,...] [--ways plain,ring,...] [--out PATH]
+        [--networks clean,100mbit,...] [--ways plain,ring,...] [--profile] [--out PATH]
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +43,7 @@ from benchmarks.scenario_runs import fmt, run_scenario
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "ddp"
+JOB = REPO / "benchmarks" / "ddp_hook_job.py"
 RESULTS = REPO / "benchmarks" / "results" / "ddp-hook.md"
 WORLD = 4
 FEATURES, CLASSES = 32, 10  # train.py's synthetic task
@@ -77,6 +84,10 @@ NETWORKS: dict[str, dict[str, Any]] = {
 CLEAN = ("clean", "100mbit")  # where the lossy hook should cost at most TARGET_CLEAN x plain
 TARGET_CLEAN = 1.2
 WAYS = ("plain", "ring", "lossy", "lossy-int8")
+LOCAL_WAYS = ("local", "local-thread")  # --profile's: the hook without a network
+# A lossy call's phases (`Lossy._exchange`), in order; the profile's columns.
+PHASES = ("prepare", "gather_send", "gather_wait", "reduce", "broadcast_send", "broadcast_wait",
+          "repair", "finish")
 
 
 @dataclass(frozen=True)
@@ -84,6 +95,8 @@ class Cell:
     model: Model
     network: str
     way: str
+    profile: bool = False  # lossy through ddp_hook_job.py, printing its calls
+
 
     @property
     def name(self) -> str:
@@ -91,7 +104,9 @@ class Cell:
 
     def scenario(self, steps: int) -> dict[str, Any]:
         """The scenario: the script as the job, the hook's collective as the scenario's."""
-        script = "train.py" if self.way == "plain" else "train_lossy.py"
+        script = ["train.py" if self.way == "plain" else "train_lossy.py"]
+        if self.way in LOCAL_WAYS or (self.profile and self.way == "lossy"):
+            script = [str(JOB), self.way]
         collective: dict[str, Any] = {"kind": "gloo"}
         if self.way == "ring":
             collective = {"kind": "ring"}
@@ -105,7 +120,7 @@ class Cell:
             topology["default"] = NETWORKS[self.network]
         return {
             "name": f"ddp-hook-{self.name}", "workers": WORLD, "topology": topology,
-            "job": {"command": ["python", script, "--steps", str(steps),
+            "job": {"command": ["python", *script, "--steps", str(steps),
                                 "--hidden", str(self.model.hidden),
                                 "--lr", str(self.model.lr)],
                     "cwd": str(EXAMPLE)},
@@ -125,6 +140,7 @@ class Outcome:
     cpu: float = math.nan  # CPU seconds (user + system) of the cell's processes
     wall: float = math.nan
     note: str = ""
+    calls: list[dict[str, Any]] = field(default_factory=list)  # --profile: rank 0's calls
 
 
 def read_lines(path: Path) -> list[dict[str, Any]]:
@@ -152,6 +168,7 @@ def run_cell(cell: Cell, steps: int, workdir: Path) -> Outcome:
     logs = workdir / cell.name / "logs"
     rank0 = read_lines(logs / "worker-0.stdout")
     per_step = [line for line in rank0 if "step" in line]
+    outcome.calls = [line for line in rank0 if "call" in line]
     outcome.steps = len(per_step)
     times = [line["seconds"] for line in per_step]
     if len(times) > WARMUP + 1:
@@ -224,6 +241,103 @@ def observations(outcomes: list[Outcome]) -> list[str]:
     return text
 
 
+def way_of(outcomes: list[Outcome], cell: Cell, way: str) -> Outcome | None:
+    return next((o for o in outcomes if o.cell.model == cell.model
+                 and o.cell.network == cell.network and o.cell.way == way), None)
+
+
+@dataclass
+class Profile:
+    """A lossy cell's calls on rank 0, per step after the warm-up: sums over the step's calls."""
+
+    outcome: Outcome
+    steps: int
+    calls: float
+    seconds: float  # the calls' wall time
+    queued: float  # behind earlier buckets, from DDP's hand-over to the call's start
+    phases: dict[str, tuple[float, float]]  # wall, CPU
+    datagrams: float  # sent and read
+
+    @property
+    def cpu(self) -> float:
+        return sum(cpu for _, cpu in self.phases.values())
+
+    @property
+    def cpu_per_datagram(self) -> float:
+        """This thread's CPU in the phases that move datagrams, per datagram sent or read."""
+        moving = sum(self.phases[p][1] for p in PHASES if p.endswith(("_send", "_wait")))
+        return moving / self.datagrams if self.datagrams else math.nan
+
+
+def profile_of(outcome: Outcome) -> Profile | None:
+    calls = [c for c in outcome.calls if c["in_step"] >= WARMUP]
+    steps = len({c["in_step"] for c in calls})
+    if not steps:
+        return None
+    phases = {p: (sum(c["phases"].get(p, (0.0, 0.0))[0] for c in calls) / steps,
+                  sum(c["phases"].get(p, (0.0, 0.0))[1] for c in calls) / steps)
+              for p in PHASES}
+    return Profile(outcome, steps, len(calls) / steps,
+                   sum(c["seconds"] for c in calls) / steps,
+                   sum(c["queued"] for c in calls) / steps, phases,
+                   sum(c["datagrams_sent"] + c["datagrams_received"] for c in calls) / steps)
+
+
+def ms(value: float) -> str:
+    return "-" if not math.isfinite(value) else f"{value * 1e3:.1f}"
+
+
+def step_of(outcomes: list[Outcome], cell: Cell, way: str) -> float:
+    other = way_of(outcomes, cell, way)
+    return other.step_seconds if other is not None else math.nan
+
+
+def profile_tables(profiles: list[Profile], outcomes: list[Outcome]) -> list[str]:
+    """Step times beside what is not the network's, then the lossy calls' phases."""
+    rows = ["| model | network | plain ms | local ms | local-thread ms | lossy ms "
+            "| lossy - local | calls/step | calls ms | of which CPU | queued ms "
+            "| datagrams/step | CPU us/datagram |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for p in profiles:
+        cell = p.outcome.cell
+        local = step_of(outcomes, cell, "local")
+        rows.append(
+            f"| {cell.model.name} | {cell.network} | {ms(step_of(outcomes, cell, 'plain'))} "
+            f"| {ms(local)} | {ms(step_of(outcomes, cell, 'local-thread'))} "
+            f"| {ms(p.outcome.step_seconds)} | {ms(p.outcome.step_seconds - local)} "
+            f"| {p.calls:.1f} | {ms(p.seconds)} | {ms(p.cpu)} | {ms(p.queued)} "
+            f"| {p.datagrams:,.0f} | {fmt(p.cpu_per_datagram * 1e6)} |")
+    rows += ["", "Per phase of the lossy calls, ms a step: wall / this thread's CPU.", "",
+             "| model | network | " + " | ".join(PHASES) + " |",
+             "| --- | --- | " + " | ".join("---" for _ in PHASES) + " |"]
+    for p in profiles:
+        rows.append(f"| {p.outcome.cell.model.name} | {p.outcome.cell.network} | "
+                    + " | ".join(f"{ms(w)} / {ms(c)}" for w, c in p.phases.values()) + " |")
+    return rows
+
+
+def profile_observations(profiles: list[Profile], outcomes: list[Outcome]) -> list[str]:
+    """Per profiled cell, where the step's time over `local` went (from this run)."""
+    text = []
+    for p in profiles:
+        cell = p.outcome.cell
+        local = step_of(outcomes, cell, "local")
+        handoff = step_of(outcomes, cell, "local-thread") - local
+        wait = p.seconds - p.cpu
+        largest = max(p.phases, key=lambda name: p.phases[name][0])
+        text.append(
+            f"{cell.model.name} on {cell.network}: the lossy step took "
+            f"{ms(p.outcome.step_seconds)} ms against {ms(local)} ms with no communication "
+            f"({ms(p.outcome.step_seconds - local)} ms more); its {p.calls:.1f} calls a step "
+            f"ran {ms(p.seconds)} ms on the hook's thread, {ms(p.cpu)} ms of it that thread's "
+            f"CPU ({fmt(p.cpu_per_datagram * 1e6)} us "
+            f"per datagram sent or read, {p.datagrams:,.0f} a step) and {ms(wait)} ms waiting "
+            f"(pacing, the peers, the scheduler); the longest phase was {largest} "
+            f"({ms(p.phases[largest][0])} ms wall, {ms(p.phases[largest][1])} ms CPU); the "
+            f"thread's hand-offs (local-thread over local) {ms(handoff)} ms a step.")
+    return text
+
+
 def report(outcomes: list[Outcome], command: str, started: datetime.datetime, elapsed: float,
            steps: dict[str, int], note: str = "") -> str:
     models = ", ".join(f"{m.name}: `--hidden {m.hidden}`, {m.parameters:,} parameters, "
@@ -268,11 +382,39 @@ def report(outcomes: list[Outcome], command: str, started: datetime.datetime, el
         "",
         " ".join(observations(outcomes)),
         "",
+        *profile_section(outcomes),
     ])
 
 
-def plan(models: list[str], networks: list[str], ways: list[str]) -> list[Cell]:
-    return [Cell(MODELS[m], n, w) for m in models for n in networks for w in ways]
+def profile_section(outcomes: list[Outcome]) -> list[str]:
+    profiles = [p for o in outcomes if o.calls and (p := profile_of(o)) is not None]
+    if not profiles:
+        return []
+    return [
+        "## Where a lossy hook call's time goes (--profile)",
+        "",
+        f"Rank 0's calls after {WARMUP} warm-up steps, summed per step. `local` is the same "
+        "script with a hook that hands DDP each bucket back at once (the computation and DDP's "
+        "own work, no communication); `local-thread` the same through the hook's thread and "
+        "futures (so `local-thread - local` is what the hand-offs cost); `lossy - local` what "
+        "the lossy hook's communication added to a step. `calls ms` the hook thread's time in "
+        "the collective, `of which CPU` that thread's own CPU (Python, per-datagram system "
+        "calls, copies: `time.thread_time`), the rest waiting (pacing, the peers, and on this "
+        "2-core host the scheduler: four workers share two cores); `queued` how long buckets "
+        "waited behind earlier ones; `CPU us/datagram` the CPU of the send and wait phases per "
+        "datagram sent or read.",
+        "",
+        *profile_tables(profiles, outcomes),
+        "",
+        "### Observations (generated from this run's numbers)",
+        "",
+        *(f"- {line}" for line in profile_observations(profiles, outcomes)),
+        "",
+    ]
+
+
+def plan(models: list[str], networks: list[str], ways: list[str], profile: bool) -> list[Cell]:
+    return [Cell(MODELS[m], n, w, profile) for m in models for n in networks for w in ways]
 
 
 def split(value: str, allowed: tuple[str, ...] | list[str], flag: str,
@@ -290,19 +432,25 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a few steps per cell")
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--networks", default=",".join(NETWORKS))
-    parser.add_argument("--ways", default=",".join(WAYS))
+    parser.add_argument("--ways", default=None,
+                        help=f"default: {','.join(WAYS)}; with --profile "
+                             f"plain,{','.join(LOCAL_WAYS)},lossy")
+    parser.add_argument("--profile", action="store_true",
+                        help="where the lossy hook's time goes (its calls' phases)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     models = split(args.models, list(MODELS), "--models", parser)
     networks = split(args.networks, list(NETWORKS), "--networks", parser)
-    ways = split(args.ways, WAYS, "--ways", parser)
+    ways = split(args.ways or (f"plain,{','.join(LOCAL_WAYS)},lossy" if args.profile
+                               else ",".join(WAYS)),
+                 (*WAYS, *LOCAL_WAYS), "--ways", parser)
     if os.geteuid() != 0:
         raise SystemExit("needs root: network namespaces and shaping")
     steps = {m: (QUICK_STEPS[m] if args.quick else MODELS[m].steps) for m in models}
     command = machine.command("benchmarks.ddp_hook")
     started_at = datetime.datetime.now(datetime.UTC)
     started = time.monotonic()
-    cells = plan(models, networks, ways)
+    cells = plan(models, networks, ways, args.profile)
     outcomes: list[Outcome] = []
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="tb-ddp-hook-") as tmp:

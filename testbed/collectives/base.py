@@ -14,6 +14,7 @@ Torch-free at import: the scenario, the registry and the command line read this 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar, Protocol, runtime_checkable
@@ -40,6 +41,8 @@ class AllReduceStats:
     coverage: float = 1.0
     peers_missing: tuple[int, ...] = ()
     extra: dict[str, float] = field(default_factory=dict)
+    # Where the call's time went, for collectives that time their phases (`PhaseClock`).
+    phases: dict[str, tuple[float, float]] = field(default_factory=dict)
 
     def __repr__(self) -> str:
         missing = f", peers missing {list(self.peers_missing)}" if self.peers_missing else ""
@@ -47,6 +50,23 @@ class AllReduceStats:
                 f"{self.seconds * 1e3:.1f} ms, coverage {self.coverage:.4g}, "
                 f"{self.bytes_sent:,} B sent, {self.bytes_received:,} B received{missing}"
                 f"{f', {len(self.extra)} more figures' if self.extra else ''})")
+
+
+class PhaseClock:
+    """Per phase of one call, wall seconds and this thread's CPU seconds, lap by lap: the
+    wall beyond the CPU was waiting (sleeps, pacing, the peers, or the scheduler on a busy
+    host), the CPU was this thread's own work (Python, per-datagram system calls, copies)."""
+
+    def __init__(self) -> None:
+        self.phases: dict[str, tuple[float, float]] = {}
+        self._wall, self._cpu = time.monotonic(), time.thread_time()
+
+    def lap(self, phase: str) -> None:
+        """The time since the last lap (or the start) goes to `phase`."""
+        wall, cpu = time.monotonic(), time.thread_time()
+        was_wall, was_cpu = self.phases.get(phase, (0.0, 0.0))
+        self.phases[phase] = (was_wall + wall - self._wall, was_cpu + cpu - self._cpu)
+        self._wall, self._cpu = wall, cpu
 
 
 @dataclass(frozen=True)

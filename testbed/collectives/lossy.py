@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from testbed.collectives.base import AllReduceStats, CollectiveBase, Update
+from testbed.collectives.base import AllReduceStats, CollectiveBase, PhaseClock, Update
 from testbed.collectives.estimate import AdaptiveDeadline, AdaptiveSettle, ChunkAccumulator
 from testbed.collectives.parity import parity_chunks, repair, xor_parity
 from testbed.transport.tcp import Listener, StreamMesh
@@ -94,7 +94,10 @@ class LossyStats(AllReduceStats):
     numbers say never came (the transport's count, whatever dropped them). Per chunk, which
     came in time: `gathered[peer]`, of the peer's contribution to this worker's own shard;
     `received[owner]`, of the owner's broadcast (its shard's chunks, then those carrying the
-    counts): the records a result can be rebuilt from exactly."""
+    counts): the records a result can be rebuilt from exactly. `datagrams_sent` and
+    `datagrams_received` count the datagrams this call sent and read; `phases` its time per
+    phase (prepare, gather_send, gather_wait, reduce, broadcast_send, broadcast_wait, repair,
+    finish)."""
 
     chunk_coverage: torch.Tensor = field(default_factory=lambda: torch.ones(1))
     gathered: dict[int, np.ndarray] = field(default_factory=dict)
@@ -102,6 +105,8 @@ class LossyStats(AllReduceStats):
     missing: dict[int, int] = field(default_factory=dict)
     late: dict[int, int] = field(default_factory=dict)
     lost: dict[int, int] = field(default_factory=dict)
+    datagrams_sent: int = 0
+    datagrams_received: int = 0
 
 
 class Lossy(CollectiveBase):
@@ -285,6 +290,8 @@ class Lossy(CollectiveBase):
         into this owner's sums, an owner's broadcast chunks are written into its shard of the
         result, their contribution counts into a small side buffer."""
         started = time.monotonic()
+        clock = PhaseClock()
+        read_before = sum(c.datagrams_received for c in self.endpoint.counters().values())
         self.endpoint.poll()  # read what came since the last call: who is back, what is late
         before = self._counters()
         if step != self._step:
@@ -322,11 +329,14 @@ class Lossy(CollectiveBase):
                     for owner in self.peers}
         broadcast_keep = {} if reliable else self._open(Kind.PARAMETER, step, bucket, landings)
         try:
+            clock.lap("prepare")
             self.endpoint.send_tensors(Kind.GRADIENT, step, bucket,
                                        {peer: shards[peer] for peer in self.peers})
+            clock.lap("gather_send")
             gather_deadline = self.gather_deadline.seconds
             gather_arrived = self._collect(Kind.GRADIENT, step, bucket, gather_keep, started,
                                            gather_deadline, self.gather_deadline)
+            clock.lap("gather_wait")
             gather_ended = time.monotonic()
             own = result[mine]
             if update is None:
@@ -335,6 +345,7 @@ class Lossy(CollectiveBase):
                 averaged = accumulator.mean(out=accumulator.total).to(contribution.dtype)
                 own.copy_(update(starts[self.rank], fallback[mine], averaged))
             own_counts = accumulator.weight.to(result.dtype)
+            clock.lap("reduce")
 
             broadcasting = time.monotonic()
             broadcast_deadline = 0.0 if reliable else self.broadcast_deadline.seconds
@@ -346,9 +357,11 @@ class Lossy(CollectiveBase):
                                                                group))
                 self.endpoint.send_tensors(Kind.PARAMETER, step, bucket,
                                            dict.fromkeys(self.peers, message))
+                clock.lap("broadcast_send")
                 broadcast_arrived = self._collect(
                     Kind.PARAMETER, step, bucket, broadcast_keep, broadcasting,
                     broadcast_deadline, self.broadcast_deadline)
+            clock.lap("broadcast_wait")
             broadcast = time.monotonic()
             rebuilt = resent = 0
             data_chunks = {owner: chunk_count(sizes[owner] + counts[owner].numel(),
@@ -363,6 +376,7 @@ class Lossy(CollectiveBase):
                                       data_chunks,
                                       chunk_count(own.numel() + own_counts.numel(),
                                                   broadcast_numel))
+            clock.lap("repair")
         finally:  # a call that failed leaves no key open to land in its tensors
             self.endpoint.close_key(Kind.GRADIENT, step, bucket)
             self.endpoint.close_key(Kind.PARAMETER, step, bucket)
@@ -398,6 +412,7 @@ class Lossy(CollectiveBase):
         )
         missing = {peer: gather_missing[peer] + broadcast_missing[peer] for peer in self.peers}
         late, lost = _delta(after.late, before.late), _delta(after.lost, before.lost)
+        clock.lap("finish")
         return result, LossyStats(
             self.name, step, seconds=time.monotonic() - started,
             bytes_sent=after.bytes_sent - before.bytes_sent,
@@ -422,7 +437,9 @@ class Lossy(CollectiveBase):
                 "chunks_resent": float(resent),
             },
             chunk_coverage=own_coverage, gathered=gather_arrived, received=broadcast_arrived,
-            missing=missing, late=late, lost=lost,
+            missing=missing, late=late, lost=lost, phases=clock.phases,
+            datagrams_sent=after.datagrams_sent - before.datagrams_sent,
+            datagrams_received=sum(after.received.values()) - read_before,
         )
 
     def _open(self, kind: Kind, step: int, bucket: int, sinks: Mapping[int, Sink | torch.Tensor],
@@ -611,6 +628,7 @@ class Lossy(CollectiveBase):
             bytes_sent=sum(c.bytes_sent for c in [*datagrams.values(), *streams.values()]),
             bytes_received=sum(c.bytes_received
                                for c in [*datagrams.values(), *streams.values()]),
+            datagrams_sent=sum(c.datagrams_sent for c in datagrams.values()),
             late={peer: c.datagrams_late for peer, c in datagrams.items()},
             lost={peer: c.datagrams_lost for peer, c in datagrams.items()},
             received={peer: c.datagrams_received for peer, c in datagrams.items()},
@@ -624,6 +642,7 @@ class _Counters:
 
     bytes_sent: int
     bytes_received: int
+    datagrams_sent: int
     late: dict[int, int]
     lost: dict[int, int]
     received: dict[int, int]

@@ -95,6 +95,32 @@ def test_without_loss_every_worker_gets_the_exact_mean(world, numel, key):
         close_all(group)
 
 
+PHASES = ("prepare", "gather_send", "gather_wait", "reduce", "broadcast_send",
+          "broadcast_wait", "repair", "finish")
+
+
+def test_a_call_says_where_its_time_went_and_counts_its_datagrams():
+    world, numel = 3, 100_003
+    group = lossy_group(world)
+    try:
+        results = run_concurrently(*(
+            lambda r=r: group[r].allreduce(seeded(world, numel)[r], step=0)
+            for r in range(world)))
+        for _, stats in results:
+            assert tuple(stats.phases) == PHASES
+            # the phases are laps of one clock started with the call: they fit in its time,
+            # and a thread cannot run longer than the wall clock (1 ms: reading two clocks)
+            assert sum(wall for wall, _ in stats.phases.values()) <= stats.seconds
+            assert all(0 <= cpu <= wall + 1e-3 for wall, cpu in stats.phases.values())
+            # each worker sends its peers their shards, then its own shard to each of them
+            assert stats.datagrams_sent >= 2 * (world - 1)
+        # loopback loses nothing here: every datagram sent was received
+        assert (sum(s.datagrams_sent for _, s in results)
+                == sum(s.datagrams_received for _, s in results))
+    finally:
+        close_all(group)
+
+
 def test_owners_average_each_chunk_over_the_contributions_that_came():
     world, numel = 3, 100_000
     loss = SeededLoss(0.3, seed=1, kinds=frozenset({Kind.GRADIENT}))
