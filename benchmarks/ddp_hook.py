@@ -295,16 +295,15 @@ def step_of(outcomes: list[Outcome], cell: Cell, way: str) -> float:
 def profile_tables(profiles: list[Profile], outcomes: list[Outcome]) -> list[str]:
     """Step times beside what is not the network's, then the lossy calls' phases."""
     rows = ["| model | network | plain ms | local ms | local-thread ms | lossy ms "
-            "| lossy - local | calls/step | calls ms | of which CPU | queued ms "
-            "| datagrams/step | CPU us/datagram |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+            "| calls/step | calls ms | of which CPU | queued ms | datagrams/step "
+            "| CPU us/datagram |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for p in profiles:
         cell = p.outcome.cell
-        local = step_of(outcomes, cell, "local")
         rows.append(
             f"| {cell.model.name} | {cell.network} | {ms(step_of(outcomes, cell, 'plain'))} "
-            f"| {ms(local)} | {ms(step_of(outcomes, cell, 'local-thread'))} "
-            f"| {ms(p.outcome.step_seconds)} | {ms(p.outcome.step_seconds - local)} "
+            f"| {ms(step_of(outcomes, cell, 'local'))} "
+            f"| {ms(step_of(outcomes, cell, 'local-thread'))} | {ms(p.outcome.step_seconds)} "
             f"| {p.calls:.1f} | {ms(p.seconds)} | {ms(p.cpu)} | {ms(p.queued)} "
             f"| {p.datagrams:,.0f} | {fmt(p.cpu_per_datagram * 1e6)} |")
     rows += ["", "Per phase of the lossy calls, ms a step: wall / this thread's CPU.", "",
@@ -317,24 +316,24 @@ def profile_tables(profiles: list[Profile], outcomes: list[Outcome]) -> list[str
 
 
 def profile_observations(profiles: list[Profile], outcomes: list[Outcome]) -> list[str]:
-    """Per profiled cell, where the step's time over `local` went (from this run)."""
+    """Per profiled cell, where the lossy calls' time went (from this run)."""
     text = []
     for p in profiles:
         cell = p.outcome.cell
-        local = step_of(outcomes, cell, "local")
-        handoff = step_of(outcomes, cell, "local-thread") - local
-        wait = p.seconds - p.cpu
+        sends = sum(p.phases[name][1] for name in PHASES if name.endswith("_send"))
         largest = max(p.phases, key=lambda name: p.phases[name][0])
         text.append(
             f"{cell.model.name} on {cell.network}: the lossy step took "
-            f"{ms(p.outcome.step_seconds)} ms against {ms(local)} ms with no communication "
-            f"({ms(p.outcome.step_seconds - local)} ms more); its {p.calls:.1f} calls a step "
-            f"ran {ms(p.seconds)} ms on the hook's thread, {ms(p.cpu)} ms of it that thread's "
-            f"CPU ({fmt(p.cpu_per_datagram * 1e6)} us "
-            f"per datagram sent or read, {p.datagrams:,.0f} a step) and {ms(wait)} ms waiting "
-            f"(pacing, the peers, the scheduler); the longest phase was {largest} "
-            f"({ms(p.phases[largest][0])} ms wall, {ms(p.phases[largest][1])} ms CPU); the "
-            f"thread's hand-offs (local-thread over local) {ms(handoff)} ms a step.")
+            f"{ms(p.outcome.step_seconds)} ms against plain DDP's "
+            f"{ms(step_of(outcomes, cell, 'plain'))} ms and "
+            f"{ms(step_of(outcomes, cell, 'local-thread'))} ms with the same thread and no "
+            f"network; its {p.calls:.1f} calls a step ran {ms(p.seconds)} ms on the hook's "
+            f"thread: {ms(p.cpu)} ms that thread's CPU ({ms(sends)} ms of it in the sends; "
+            f"{fmt(p.cpu_per_datagram * 1e6)} us per datagram sent or read, "
+            f"{p.datagrams:,.0f} a step), {ms(p.seconds - p.cpu)} ms waiting (pacing, the "
+            f"peers, the scheduler); the longest phase was {largest} "
+            f"({ms(p.phases[largest][0])} ms wall, {ms(p.phases[largest][1])} ms CPU); buckets "
+            f"waited {ms(p.queued)} ms a step for the thread (hand-off and earlier buckets).")
     return text
 
 
@@ -396,12 +395,15 @@ def profile_section(outcomes: list[Outcome]) -> list[str]:
         f"Rank 0's calls after {WARMUP} warm-up steps, summed per step. `local` is the same "
         "script with a hook that hands DDP each bucket back at once (the computation and DDP's "
         "own work, no communication); `local-thread` the same through the hook's thread and "
-        "futures (so `local-thread - local` is what the hand-offs cost); `lossy - local` what "
-        "the lossy hook's communication added to a step. `calls ms` the hook thread's time in "
+        "futures. Without communication nothing keeps the ranks together: four processes run "
+        "free on two cores, so these steps are the scheduler's (a rerun of the small model's "
+        "`local` cell had steps from 1 to 108 ms), a floor for the large model, noise for the "
+        "small. `calls ms` the hook thread's time in "
         "the collective, `of which CPU` that thread's own CPU (Python, per-datagram system "
         "calls, copies: `time.thread_time`), the rest waiting (pacing, the peers, and on this "
         "2-core host the scheduler: four workers share two cores); `queued` how long buckets "
-        "waited behind earlier ones; `CPU us/datagram` the CPU of the send and wait phases per "
+        "waited for the hook's thread (the hand-off, and earlier buckets' calls); "
+        "`CPU us/datagram` the CPU of the send and wait phases per "
         "datagram sent or read.",
         "",
         *profile_tables(profiles, outcomes),
