@@ -11,7 +11,7 @@ stdin), so no call pays for another's start. Writes benchmarks/results/collectiv
 downlink and uplink at 100 Mbit/s, against the bound of one group all-reduce per grid axis
 (benchmarks/results/collectives-moshpit-grid.md).
 
-    .venv/bin/python -m benchmarks.collectives [--quick] [--grid] [--out PATH]
+    .venv/bin/python -m benchmarks.collectives [--quick] [--grid] [--congestion ALGO] [--out PATH]
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -205,6 +205,7 @@ class Cell:
     quick: bool = field(default=False, compare=False)
     world: int = WORLD
     uplinks: bool = False  # the rate on every uplink too
+    congestion: str = TCP_CONGESTION  # ring's and Moshpit's, per socket (--congestion)
 
     @property
     def bytes(self) -> int:
@@ -287,12 +288,12 @@ def options_for(cell: Cell, lab, port: int, key_file: Path) -> list[dict[str, An
         return [{"master": master, "timeout": timeout + 60} for _ in hosts]
     if cell.kind == "ring":
         addresses = [(h.address, port) for h in hosts]
-        return [{"addresses": addresses, "timeout": timeout, "congestion": TCP_CONGESTION,
+        return [{"addresses": addresses, "timeout": timeout, "congestion": cell.congestion,
                  "run_id": port} for _ in hosts]
     if cell.kind == "moshpit":
         store = (hosts[0].address, port)
         return [{"store": store, "listen": (h.address, port + 1), "timeout": timeout,
-                 "expiry": 15.0, "congestion": TCP_CONGESTION, "run_id": port,
+                 "expiry": 15.0, "congestion": cell.congestion, "run_id": port,
                  "rendezvous_timeout": STARTUP * max(1, cell.world // WORLD)} for h in hosts]
     if cell.kind.startswith("lossy"):
         pace = min(LOSSY_PACE_CAP, PACE * (cell.rate or math.inf))
@@ -335,7 +336,7 @@ def run_cell(lab, cell: Cell, port: int, logs: Path) -> Outcome:
     from testbed.cluster.network import set_default_congestion
 
     # gloo's sockets are not ours to set: every namespace's default is the cell's algorithm
-    algorithm = cell.kind.split("-", 1)[1] if cell.kind.startswith("gloo") else TCP_CONGESTION
+    algorithm = cell.kind.split("-", 1)[1] if cell.kind.startswith("gloo") else cell.congestion
     set_default_congestion({host.netns: algorithm for host in lab.hosts})
     calls = cell.warmups + cell.reps
     lines: queue.Queue[tuple[int, dict[str, Any] | None]] = queue.Queue()
@@ -783,6 +784,11 @@ def observations(outcomes: list[Outcome]) -> list[str]:
     return said
 
 
+def congestion_of(outcomes: list[Outcome]) -> str:
+    """The ring's and Moshpit's congestion control in this run (`--congestion`)."""
+    return outcomes[0].cell.congestion if outcomes else TCP_CONGESTION
+
+
 def report(outcomes: list[Outcome], command: str, started: datetime.datetime,
            elapsed: float, note: str = "") -> str:
     allowed = Path("/proc/sys/net/ipv4/tcp_allowed_congestion_control").read_text().strip()
@@ -819,7 +825,7 @@ def report(outcomes: list[Outcome], command: str, started: datetime.datetime,
         "timeout / 2.5) and is learned from there; `lossy-keyed`: the same with the run's "
         "key (a 16-byte BLAKE2b MAC after every datagram's payload, checked before it is "
         "used, and proof of the key in every TCP hello); `ring` and `moshpit` (one group of "
-        f"four) over TCP {TCP_CONGESTION} per socket; `gloo-cubic` and `gloo-bbr`: "
+        f"four) over TCP {congestion_of(outcomes)} per socket; `gloo-cubic` and `gloo-bbr`: "
         "torch.distributed gloo with the namespaces' default TCP congestion control set to "
         "cubic or bbr (cubic is allowed for the moment of the sysctl; host list: "
         f"`{allowed}`). The bandwidth bound is 2(N-1)/N x bytes / rate with N = 4; the "
@@ -886,9 +892,9 @@ def grid_report(outcomes: list[Outcome], command: str, started: datetime.datetim
         "of the table (`--grid-rate`, 100 Mbit/s unless said) with `netem.apply(..., "
         "backend=\"fallback\")` (htb, this kernel has no sch_netem), no loss. Each peer is "
         "its own process in its own namespace, Moshpit over TCP "
-        f"{TCP_CONGESTION} with `group_size` {GRID_GROUP}: N = 8 sits on a 4x2 grid, N = 16 on "
-        "4x4. One warm-up call, then timed calls (1M: 5, 10M: 2); the time is the slowest "
-        "peer's, averaged over the timed calls; the call's deadline (`timeout`) is 10x the "
+        f"{congestion_of(outcomes)} with `group_size` {GRID_GROUP}: N = 8 sits on a 4x2 grid, "
+        "N = 16 on 4x4. One warm-up call, then timed calls (1M: 5, 10M: 2); the time is the "
+        "slowest peer's, averaged over the timed calls; the call's deadline (`timeout`) is 10x the "
         "bound, 30-120 s. Moshpit's bound is one group all-reduce per grid axis: each peer "
         "receives 2(g-1)/g of the tensor per side g (4x2: 2.5 tensors; 4x4: 3), at the rate; "
         "the ring (reliable ring all-reduce over TCP, one stream in and one out per worker) "
@@ -942,6 +948,9 @@ def main() -> None:
                         "and uplink at 100 Mbit/s, 1M and 10M")
     parser.add_argument("--grid-rate", type=float, default=GRID_RATE / 1e6,
                         help="--grid: Mbit/s on every downlink and uplink (default %(default)g)")
+    parser.add_argument("--congestion", default=TCP_CONGESTION,
+                        help="TCP congestion control of the ring's and Moshpit's sockets "
+                        "(default %(default)s; one of the kernel's available ones)")
     if len(sys.argv) > 2 and sys.argv[1] == "worker":
         worker(json.loads(sys.argv[2]))
         return
@@ -976,7 +985,14 @@ def main() -> None:
     write = grid_report if grid else report
     if grid and args.out == RESULTS:
         args.out = GRID_RESULTS
-    groups = plan(args.quick, kinds, sizes, rates, losses, grid, args.grid_rate * 1e6)
+    available = Path("/proc/sys/net/ipv4/tcp_available_congestion_control").read_text().split()
+    if args.congestion not in available:
+        parser.error(f"--congestion: expected one of {', '.join(available)} (this kernel's), "
+                     f"got {args.congestion!r}")
+    groups = [(rate, loss, [replace(cell, congestion=args.congestion)
+                            for cell in cells])
+              for rate, loss, cells in plan(args.quick, kinds, sizes, rates, losses, grid,
+                                            args.grid_rate * 1e6)]
     if not groups:
         parser.error("no cell left to run: --sizes, --rates and --losses exclude them all")
     total = sum(len(cells) for _, _, cells in groups)
