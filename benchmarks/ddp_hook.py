@@ -40,6 +40,7 @@ from typing import Any
 
 from benchmarks import machine
 from benchmarks.scenario_runs import fmt, run_scenario
+from testbed.collectives.lossy import CALL_PHASES as PHASES
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "ddp"
@@ -85,9 +86,6 @@ CLEAN = ("clean", "100mbit")  # where the lossy hook should cost at most TARGET_
 TARGET_CLEAN = 1.2
 WAYS = ("plain", "ring", "lossy", "lossy-int8")
 LOCAL_WAYS = ("local", "local-thread")  # --profile's: the hook without a network
-# A lossy call's phases (`Lossy._exchange`), in order; the profile's columns.
-PHASES = ("prepare", "gather_send", "gather_wait", "reduce", "broadcast_send", "broadcast_wait",
-          "repair", "finish")
 
 
 @dataclass(frozen=True)
@@ -96,7 +94,6 @@ class Cell:
     network: str
     way: str
     profile: bool = False  # lossy through ddp_hook_job.py, printing its calls
-
 
     @property
     def name(self) -> str:
@@ -184,14 +181,14 @@ def run_cell(cell: Cell, steps: int, workdir: Path) -> Outcome:
 
 # -- the report ------------------------------------------------------------------------------
 
-def plain_of(outcomes: list[Outcome], cell: Cell) -> Outcome | None:
+def way_of(outcomes: list[Outcome], cell: Cell, way: str) -> Outcome | None:
     return next((o for o in outcomes if o.cell.model == cell.model
-                 and o.cell.network == cell.network and o.cell.way == "plain"), None)
+                 and o.cell.network == cell.network and o.cell.way == way), None)
 
 
 def ratio(outcome: Outcome, outcomes: list[Outcome]) -> float:
     """Step time over plain DDP's on the same model and network (nan without both)."""
-    plain = plain_of(outcomes, outcome.cell)
+    plain = way_of(outcomes, outcome.cell, "plain")
     if plain is None or not plain.step_seconds > 0:
         return math.nan
     return outcome.step_seconds / plain.step_seconds
@@ -204,7 +201,7 @@ def verdict(outcome: Outcome, outcomes: list[Outcome]) -> str:
         return ""
     value = ratio(outcome, outcomes)
     if math.isnan(value):
-        plain = plain_of(outcomes, outcome.cell)
+        plain = way_of(outcomes, outcome.cell, "plain")
         if plain is not None and plain.status == "timeout" and outcome.status == "ok":
             return "PASS (plain timed out)"
         return "-"
@@ -239,11 +236,6 @@ def observations(outcomes: list[Outcome]) -> list[str]:
         text.append(f"Missed: {o.cell.model.name} on {o.cell.network}, "
                     f"{ratio(o, outcomes):.2f}x plain DDP's step.")
     return text
-
-
-def way_of(outcomes: list[Outcome], cell: Cell, way: str) -> Outcome | None:
-    return next((o for o in outcomes if o.cell.model == cell.model
-                 and o.cell.network == cell.network and o.cell.way == way), None)
 
 
 @dataclass

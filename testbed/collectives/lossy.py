@@ -82,6 +82,12 @@ class SeededLoss:
         return np.random.default_rng(seed).random(chunks) < self.rate
 
 
+# A call's phases, in the order they run (`LossyStats.phases`; a broadcast that goes reliably
+# over TCP, a resync, is timed whole as broadcast_wait).
+CALL_PHASES = ("prepare", "gather_send", "gather_wait", "reduce", "broadcast_send",
+               "broadcast_wait", "repair", "finish")
+
+
 @dataclass(repr=False)
 class LossyStats(AllReduceStats):
     """AllReduceStats with what the datagrams did in this call. `coverage` counts, per element
@@ -96,8 +102,7 @@ class LossyStats(AllReduceStats):
     `received[owner]`, of the owner's broadcast (its shard's chunks, then those carrying the
     counts): the records a result can be rebuilt from exactly. `datagrams_sent` and
     `datagrams_received` count the datagrams this call sent and read; `phases` its time per
-    phase (prepare, gather_send, gather_wait, reduce, broadcast_send, broadcast_wait, repair,
-    finish)."""
+    phase (CALL_PHASES)."""
 
     chunk_coverage: torch.Tensor = field(default_factory=lambda: torch.ones(1))
     gathered: dict[int, np.ndarray] = field(default_factory=dict)
