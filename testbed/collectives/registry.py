@@ -170,12 +170,12 @@ class LossyOptions(CollectiveOptions):
                                      "behind (its first chunk of a phase not yet sent) is "
                                      "waited for.")
     settle: PositiveFloat | Literal["auto"] | None = Field(
-        default=0.01, description="Seconds of quiet after every sender's stream ended before a "
-        "phase closes (auto: learned between 1 and 10 ms from what came late; null: wait to "
-        "the deadline).")
+        default="auto", description="Seconds of quiet after every sender's stream ended before a "
+        "phase closes (auto: learned between 1 and 10 ms from what came late and from the "
+        "pauses within streams; null: wait to the deadline).")
     resync_every: int = Field(default=0, ge=0, description="Every N steps the broadcast goes "
                               "reliably over TCP, so every copy is exact again (0: never).")
-    parity: int = Field(default=0, ge=0, description="Broadcast chunks per XOR parity chunk, "
+    parity: int = Field(default=4, ge=0, description="Broadcast chunks per XOR parity chunk, "
                         "from which a receiver rebuilds one lost chunk of each group (0: no "
                         "parity; 1: every chunk twice). Costs 1/parity more broadcast bytes.")
     missed: Literal["keep", "last_update", "local"] = Field(
@@ -183,7 +183,7 @@ class LossyOptions(CollectiveOptions):
         "owner's parameter broadcast (strategy sharded): keep (its stale value), last_update "
         "(that plus the last update it received there, per step missed), local (that plus its "
         "own optimizer's update of its local gradient).")
-    resend: bool = Field(default=False, description="After the broadcast, every worker asks "
+    resend: bool = Field(default=True, description="After the broadcast, every worker asks "
                          "each owner once for the chunks it lacks and gets them again within "
                          "the call (two more exchanges per call).")
     timeout: float = Field(default=30.0, gt=0, description=TIMEOUT_HELP)

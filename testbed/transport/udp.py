@@ -79,8 +79,10 @@ IP_MTU_DISCOVER, IPV6_MTU_DISCOVER, PMTUDISC_DO = 10, 23, 2
 DRAIN_BATCH = 1024  # datagrams read per drain, so a flood cannot hold a deadline hostage
 RING_BYTES = 1 << 20  # the receive ring: this many bytes of slots, 16 to 512 of them
 SEND_BATCH = 256  # datagrams per sendmmsg when unpaced
-# A sender's stream has ended once one of its last TAIL chunks came: paced datagrams of one
-# stream arrive in order, so what it still lacks then was lost, not in flight.
+# A sender's stream has ended once one of its last chunks came, its last quarter but at most
+# TAIL of them: paced datagrams of one stream arrive in order, so what it still lacks then
+# was lost, not in flight. (Of a stream of a few chunks only the last says so: its first says
+# nothing of whether the others were sent yet.)
 TAIL = 4
 JOINED_LATE = 64  # a stream first seen at this sequence number or beyond was joined late
 # The default pacing burst: how late a wake-up can be and still be caught up (a busy host
@@ -149,7 +151,9 @@ class Collected:
     before (a deadline that was too short) since the key was opened, in all and per sender;
     when the last in-time chunk came (time.monotonic(); None if none did). Per sender that sent
     any in time: when its first and its last chunk of the key came; per sender none of whose
-    chunks came but that was seen past its part of the key (it sent them: lost): when."""
+    chunks came but that was seen past its part of the key (it sent them: lost): when.
+    `longest_gap`: the longest quiet between two chunks of one sender's stream (seconds;
+    a stream that can pause that long can pause that long before its last chunks too)."""
 
     chunks: list[Chunk]
     arrived: dict[int, np.ndarray]
@@ -159,6 +163,7 @@ class Collected:
     first_arrivals: dict[int, float] = dataclasses.field(default_factory=dict)
     last_arrivals: dict[int, float] = dataclasses.field(default_factory=dict)
     reached: dict[int, float] = dataclasses.field(default_factory=dict)
+    longest_gap: float = 0.0
 
     @property
     def missing(self) -> set[tuple[int, int]]:
@@ -372,6 +377,7 @@ class _Open:
         # it sent it, so what has not come was lost (or is still on its way)
         self.reached: dict[int, float] = {}
         self.newest: float | None = None  # when the newest chunk came
+        self.longest_gap = 0.0  # the longest quiet between two chunks of one sender's stream
         self.late_before = late_before  # datagrams of this kind late per sender, when opened
 
     def deliver(self, sender: int, batch: _Batch, chunk_numel: Mapping[int, int]) -> None:
@@ -386,10 +392,14 @@ class _Open:
                 batch = batch.take(fit)
         if not len(batch):
             return
+        previous = self.last.get(sender)
+        if previous is not None:
+            self.longest_gap = max(self.longest_gap, float(batch.arrival[0]) - previous)
         self.first.setdefault(sender, float(batch.arrival[0]))
         self.last[sender] = float(batch.arrival[-1])
         self.newest = max(self.newest or -math.inf, float(batch.arrival[-1]))
-        if (batch["chunks"] - batch["chunk"] <= TAIL).any():
+        chunks = batch["chunks"].astype(np.int64)
+        if (chunks - batch["chunk"] <= np.clip(chunks // 4, 1, TAIL)).any():
             self.ended.add(sender)
 
     def _land(self, sender: int, sink: Sink, batch: _Batch, n: int) -> np.ndarray:
@@ -761,6 +771,7 @@ class DatagramEndpoint:
             first_arrivals=state.first,
             last_arrivals=state.last,
             reached=state.reached,
+            longest_gap=state.longest_gap,
         )
 
     def close_key(self, kind: Kind, step: int, bucket: int) -> None:

@@ -104,7 +104,8 @@ class _Ignored:
         pass
 
 
-@pytest.mark.parametrize("options", [{}, {"parity": 2, "resend": True}],
+@pytest.mark.parametrize("options", [{"parity": 0, "resend": False},
+                                     {"parity": 2, "resend": True}],
                          ids=["plain", "parity-resend"])
 def test_lossy_all_reduce_is_exactly_the_mean_of_the_chunks_that_came(make_lab, monkeypatch,
                                                                        options):
@@ -151,7 +152,7 @@ def test_lossy_all_reduce_is_exactly_the_mean_of_the_chunks_that_came(make_lab, 
         assert ((fraction > 0.8) & (fraction < 0.97)).all(), fraction
         coverage = sum(s.coverage for s in everything) / len(everything)
         received = sum(s.extra["broadcast_received"] for s in everything) / len(everything)
-        if options:
+        if options["resend"]:
             # A lost broadcast chunk is rebuilt from its parity group or sent again: missed
             # only if it, its group and its resend are all lost (about 0.1 * 0.19 * 0.1, 0.2%;
             # over some 17,000 chunks the bound is far out). Coverage is then the gather's:
@@ -192,7 +193,8 @@ def test_sharded_sgd_under_loss_converges_and_copies_stay_recent_owner_values(ma
     copy is a value its owner held since the last resync (stale where broadcasts were lost,
     never anything else)."""
     world, numel, steps, resync_every = 3, 200_000, 8, 4
-    group = lossy_lab(make_lab, world, resync_every=resync_every)
+    # the bare mechanism (no parity, no resend): 10% of the broadcast stays missed
+    group = lossy_lab(make_lab, world, resync_every=resync_every, parity=0, resend=False)
     try:
         common = torch.randn(numel, generator=torch.Generator().manual_seed(0))
         targets = [common + 0.1 * torch.randn(numel, generator=torch.Generator().manual_seed(r))

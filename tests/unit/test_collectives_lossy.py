@@ -25,6 +25,14 @@ LR = 0.1
 KEY = bytes(range(32))
 
 
+BARE = {"settle": 0.01, "parity": 0, "resend": False}
+# The defaults' parity and resend (whose two extra exchanges wait for every peer), with no
+# settle: tests that expect every chunk must not have a busy host cut one off.
+REPAIRING = {"settle": None, "parity": 4, "resend": True}
+WITH_AND_WITHOUT_REPAIR = pytest.mark.parametrize("options", [{}, REPAIRING],
+                                                  ids=["bare", "parity-resend"])
+
+
 def lossy_group(
     world: int, *, resync_every: int = 0, deadline: float = 5.0, key: bytes | None = None,
     **options
@@ -32,7 +40,9 @@ def lossy_group(
     """`world` workers on loopback, sockets bound first so the addresses are free ports (with
     `key`, the run's: datagrams MACed, TCP hellos proving it). The deadline is fixed (floor =
     initial): a busy host must not make a learned one cut off chunks in tests that expect
-    every one of them; it costs nothing when none is missing."""
+    every one of them; it costs nothing when none is missing. The bare mechanism unless
+    `options` say otherwise: a fixed 10 ms settle, no parity, no resend (each has tests of
+    its own), so a seeded loss model's chunks stay missed where the tests expect them."""
     endpoints = [DatagramEndpoint(rank, RUN, ("127.0.0.1", 0), key=key) for rank in range(world)]
     # TCP listeners of their own, bound first too: the UDP ports' numbers may be taken in TCP.
     listeners = [Listener(("127.0.0.1", 0), key=key) for _ in range(world)]
@@ -41,7 +51,7 @@ def lossy_group(
             rank, world, addresses=[e.address for e in endpoints], endpoint=endpoints[rank],
             run_id=RUN, resync_every=resync_every, deadline_initial=deadline,
             deadline_floor=deadline, stream_addresses=[x.address for x in listeners],
-            listener=listeners[rank], **options,
+            listener=listeners[rank], **{**BARE, **options},
         )
         for rank in range(world)
     ))
@@ -269,13 +279,15 @@ def test_a_silent_peer_is_named_waited_for_once_then_not_until_it_speaks_again()
         close_all(group)
 
 
-def test_a_peer_that_computes_longer_than_the_deadline_is_waited_for_not_lost():
+@WITH_AND_WITHOUT_REPAIR
+def test_a_peer_that_computes_longer_than_the_deadline_is_waited_for_not_lost(options):
     """The transfer deadline counts from a peer's first chunk: a peer that starts its call
     long after the others (it computed longer) is still waited for, and its chunks count. The
     deadline (0.25 s, held there) is far below the lag and far above a loopback stream's time
     even on a loaded host."""
     world, numel, lag = 3, 30_000, 1.5
-    group = lossy_group(world, deadline=0.25, deadline_ceiling=0.25, straggler_timeout=10.0)
+    group = lossy_group(world, deadline=0.25, deadline_ceiling=0.25, straggler_timeout=10.0,
+                        **options)
     try:
         inputs = seeded(world, numel)
         release = threading.Event()
@@ -298,16 +310,19 @@ def test_a_peer_that_computes_longer_than_the_deadline_is_waited_for_not_lost():
         close_all(group)
 
 
-def test_workers_stay_in_step_when_some_pause():
+@WITH_AND_WITHOUT_REPAIR
+def test_workers_stay_in_step_when_some_pause(options):
     """Workers 1 and 2 pause for longer than any learned deadline in the middle of a run:
     worker 0 waits for them rather than running ahead on its own, so every call of every
     worker has every contribution (a worker ahead would take the others for lost, and they
     would use its buffered chunks without waiting: a gap that never closes). The transfer
     deadline is held at 0.25 s, far below the pause, and far above what a stream of a few
     datagrams on loopback takes even on a loaded host (a thread unscheduled for a quarter of a
-    second mid-stream would be needed to lose a chunk)."""
+    second mid-stream would be needed to lose a chunk); no settle, so no shorter wait ends a
+    phase (nothing is lost here: it would cost nothing)."""
     world, numel, pause = 3, 3000, 1.5
-    group = lossy_group(world, deadline=0.25, deadline_ceiling=0.25, straggler_timeout=5.0)
+    group = lossy_group(world, deadline=0.25, deadline_ceiling=0.25, straggler_timeout=5.0,
+                        **{"settle": None, **options})
     coverage = {rank: [] for rank in range(world)}
     try:
         inputs = seeded(world, numel)

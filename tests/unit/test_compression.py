@@ -563,7 +563,9 @@ def test_over_lossy_a_lost_chunk_costs_its_values_and_a_resync_reunites_the_esti
 
     world, numel = 3, 20_000
     workers = [wrap(c, "arc_topk", density=0.1, block=8, resync_every=3)
-               for c in lossy_of(world, test_loss=SeededLoss(0.2, seed=4))]
+               # no parity or resend: the lost chunks stay lost, so the copies of g drift
+               for c in lossy_of(world, test_loss=SeededLoss(0.2, seed=4), parity=0,
+                                 resend=False)]
     try:
         drifted = False
         for step in range(6):
