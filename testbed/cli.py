@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Literal, TypeVar
@@ -1051,10 +1052,10 @@ def _run_here(path, steps: int | None, out: str | None, capture: list[str],
         with (contextlib.nullcontext(None) if json_output else
               Live(_live_table(cluster), console=console, refresh_per_second=4)) as live:
             result = cluster.run(lambda workers: live and live.update(_live_table(cluster)))
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as interrupt:
         console.print(f"[yellow]interrupted: everything the run made is removed; what it "
                       f"wrote is in {cluster.run_dir}")
-        raise typer.Exit(130) from None
+        raise typer.Exit(128 + getattr(interrupt, "signum", signal.SIGINT)) from None
     except UnsupportedByKernel as error:
         console.print(f"[red]{error}")
         raise typer.Exit(2) from None

@@ -128,7 +128,7 @@ class ClusterRun:
         self.program_metrics_urls: list[str] = []  # a command job's own, where it names a port
         self._deadline: float | None = None
         self._timeout: float | None = None
-        self._interrupted = threading.Event()
+        self._interrupted = _Interrupt()
 
     def worker_pids(self) -> dict[int, int]:
         """The pid of each worker process started so far (the latest of a restarted one)."""
@@ -137,7 +137,8 @@ class ClusterRun:
 
     def run(self, on_update: Callable[[list[WorkerState]], None] = lambda _: None, *,
             timeout: float | None = None) -> RunResult:
-        """Run to the end (or the first Ctrl-C, which ends the run cleanly and is re-raised).
+        """Run to the end (or the first Ctrl-C or SIGTERM, which ends the run cleanly and is
+        re-raised as `Interrupted`).
         With `timeout` (seconds from now), a run still going then is ended the same way and
         `RunTimeout` raised; the run directory says so."""
         self._deadline = None if timeout is None else time.monotonic() + timeout
@@ -190,8 +191,9 @@ class ClusterRun:
                 finally:
                     timeline.stop()
                     self._stop_all()
-        except KeyboardInterrupt:
-            error = "interrupted (Ctrl-C)"
+        except KeyboardInterrupt as interrupt:
+            error = ("terminated (SIGTERM)" if getattr(interrupt, "signum", None)
+                     == signal.SIGTERM else "interrupted (Ctrl-C)")
             raise
         except Exception as exc:
             error = f"{type(exc).__name__}: {exc}"
@@ -212,9 +214,9 @@ class ClusterRun:
         return self.result
 
     def _check_interrupt(self) -> None:
-        """Raise KeyboardInterrupt here, at a safe point, if Ctrl-C came meanwhile."""
-        if self._interrupted.is_set():
-            raise KeyboardInterrupt
+        """Raise `Interrupted` here, at a safe point, if Ctrl-C or SIGTERM came meanwhile."""
+        if self._interrupted.signum is not None:
+            raise Interrupted(self._interrupted.signum)
 
     def _relay(self, network: ClusterNetwork,
                writer: RunWriter) -> contextlib.AbstractContextManager[Any]:
@@ -441,28 +443,47 @@ class ClusterRun:
         self._reap()
 
 
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C or SIGTERM, raised at a safe point; `signum` says which (a command exits with
+    128 + signum: 130, 143)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@dataclass
+class _Interrupt:
+    """Which signal asked the run to end, once one did."""
+
+    signum: int | None = None
+
+
 @contextlib.contextmanager
-def _interrupts_at_safe_points() -> Iterator[threading.Event]:
-    """Ctrl-C sets the returned event instead of raising wherever the main thread is: a
-    KeyboardInterrupt between a lock's acquire and its `with` block (in the live display, a
-    queue, a network change) leaves the lock held, and the clean-up that follows waits on it
-    forever. The run checks the event between its steps; a second Ctrl-C raises at once. Off
-    the main thread (where signals cannot be handled) the event is never set."""
-    interrupted = threading.Event()
+def _interrupts_at_safe_points() -> Iterator[_Interrupt]:
+    """Ctrl-C or SIGTERM (a `kill`, a CI job's timeout) records itself instead of raising
+    wherever the main thread is: a KeyboardInterrupt between a lock's acquire and its `with`
+    block (in the live display, a queue, a network change) leaves the lock held, and the
+    clean-up that follows waits on it forever. The run checks between its steps; a second
+    signal raises at once. Off the main thread (where signals cannot be handled) nothing is
+    ever recorded."""
+    interrupted = _Interrupt()
     if threading.current_thread() is not threading.main_thread():
         yield interrupted
         return
 
-    def on_sigint(signum: int, frame: Any) -> None:
-        if interrupted.is_set():
-            raise KeyboardInterrupt
-        interrupted.set()
+    def on_signal(signum: int, frame: Any) -> None:
+        if interrupted.signum is not None:
+            raise Interrupted(signum)
+        interrupted.signum = signum
 
-    previous = signal.signal(signal.SIGINT, on_sigint)
+    previous = {signum: signal.signal(signum, on_signal)
+                for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield interrupted
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def _signal_group(process: ForkedWorker, signum: int) -> None:

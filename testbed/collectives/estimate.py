@@ -142,29 +142,26 @@ class AdaptiveDeadline:
 @dataclass
 class AdaptiveSettle:
     """How long a phase waits in quiet once every sender's stream ended, before it takes
-    what is missing for lost (`collect(settle=)`), learned from the streams. A chunk that
+    what is missing for lost (`collect(settle=)`), learned from what came late. A chunk that
     comes after its phase closed was not lost but cut off: a call that saw such late
-    datagrams goes back to `ceiling`, where it starts. A stream that paused mid-way (its
-    sender's thread unscheduled on a busy host, a pacing burst's wait) can pause as long
-    before its last chunks: the wait stays at least `margin` times the longest such pause
-    seen. Otherwise each call shortens it by `shrink`, down to `floor`: on links that keep a
-    stream in order and a host with time to spare, a phase under loss then ends about as
-    soon as its data stops coming."""
+    datagrams doubles the wait (up to `ceiling`, where it starts); each call without shortens
+    it by `shrink` (down to `floor`). On links that keep a stream in order nothing is late,
+    and the wait falls to the floor: under loss a phase then ends about as soon as its data
+    stops coming."""
 
     floor: float = 0.001
     ceiling: float = 0.01
     shrink: float = 0.8
-    margin: float = 2.0
     seconds: float = field(init=False)
 
     def __post_init__(self) -> None:
-        if not 0 < self.floor <= self.ceiling or not 0 < self.shrink < 1 or self.margin < 1:
-            raise ValueError("settle: needs 0 < floor <= ceiling, 0 < shrink < 1 and "
-                             "margin >= 1")
+        if not 0 < self.floor <= self.ceiling or not 0 < self.shrink < 1:
+            raise ValueError("settle: needs 0 < floor <= ceiling and 0 < shrink < 1")
         self.seconds = self.ceiling
 
-    def observe(self, late_chunks: int, longest_gap: float = 0.0) -> None:
-        """Record a call: how many of this phase's datagrams came after their call closed,
-        and the longest quiet within one sender's stream (seconds)."""
-        shorter = self.ceiling if late_chunks else max(self.floor, self.shrink * self.seconds)
-        self.seconds = min(self.ceiling, max(shorter, self.margin * longest_gap))
+    def observe(self, late_chunks: int) -> None:
+        """Record a call: how many of this phase's datagrams came after their call closed."""
+        if late_chunks:
+            self.seconds = min(self.ceiling, 2 * self.seconds)
+        else:
+            self.seconds = max(self.floor, self.shrink * self.seconds)

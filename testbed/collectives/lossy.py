@@ -154,7 +154,7 @@ class Lossy(CollectiveBase):
         a phase); `straggler_timeout` is how long a peer's first chunk is waited for. With
         `settle` (seconds) ends a phase once every sender's stream has ended and nothing came
         for that long (the rest was lost; None waits to the deadline; "auto" learns it between
-        1 and 10 ms from what came late and the pauses within streams). With `parity` G > 0
+        1 and 10 ms from what came late). With `parity` G > 0
         every broadcast carries an XOR parity chunk per G chunks, from which a receiver
         rebuilds a chunk that is the only one of its group lost. `missed` says what a copy
         holds where a parameter broadcast chunk was missed (`step`; MISSED): its stale value,
@@ -560,7 +560,7 @@ class Lossy(CollectiveBase):
         first = collected.first_arrivals
         present = [s for s in first if s not in self._absent]
         late = sum(collected.late_from.get(s, 0) for s in present)
-        learned.observe(late, collected.longest_gap)
+        learned.observe(late)
         if present:
             took = max(collected.last_arrivals[s] - first[s] for s in present)
             learner.observe(took, late)

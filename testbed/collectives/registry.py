@@ -171,8 +171,8 @@ class LossyOptions(CollectiveOptions):
                                      "waited for.")
     settle: PositiveFloat | Literal["auto"] | None = Field(
         default="auto", description="Seconds of quiet after every sender's stream ended before a "
-        "phase closes (auto: learned between 1 and 10 ms from what came late and from the "
-        "pauses within streams; null: wait to the deadline).")
+        "phase closes (auto: learned between 1 and 10 ms from what came late; null: wait to "
+        "the deadline).")
     resync_every: int = Field(default=0, ge=0, description="Every N steps the broadcast goes "
                               "reliably over TCP, so every copy is exact again (0: never).")
     parity: int = Field(default=4, ge=0, description="Broadcast chunks per XOR parity chunk, "

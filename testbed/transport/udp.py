@@ -151,9 +151,7 @@ class Collected:
     before (a deadline that was too short) since the key was opened, in all and per sender;
     when the last in-time chunk came (time.monotonic(); None if none did). Per sender that sent
     any in time: when its first and its last chunk of the key came; per sender none of whose
-    chunks came but that was seen past its part of the key (it sent them: lost): when.
-    `longest_gap`: the longest quiet between two chunks of one sender's stream (seconds;
-    a stream that can pause that long can pause that long before its last chunks too)."""
+    chunks came but that was seen past its part of the key (it sent them: lost): when."""
 
     chunks: list[Chunk]
     arrived: dict[int, np.ndarray]
@@ -163,7 +161,6 @@ class Collected:
     first_arrivals: dict[int, float] = dataclasses.field(default_factory=dict)
     last_arrivals: dict[int, float] = dataclasses.field(default_factory=dict)
     reached: dict[int, float] = dataclasses.field(default_factory=dict)
-    longest_gap: float = 0.0
 
     @property
     def missing(self) -> set[tuple[int, int]]:
@@ -377,7 +374,6 @@ class _Open:
         # it sent it, so what has not come was lost (or is still on its way)
         self.reached: dict[int, float] = {}
         self.newest: float | None = None  # when the newest chunk came
-        self.longest_gap = 0.0  # the longest quiet between two chunks of one sender's stream
         self.late_before = late_before  # datagrams of this kind late per sender, when opened
 
     def deliver(self, sender: int, batch: _Batch, chunk_numel: Mapping[int, int]) -> None:
@@ -392,9 +388,6 @@ class _Open:
                 batch = batch.take(fit)
         if not len(batch):
             return
-        previous = self.last.get(sender)
-        if previous is not None:
-            self.longest_gap = max(self.longest_gap, float(batch.arrival[0]) - previous)
         self.first.setdefault(sender, float(batch.arrival[0]))
         self.last[sender] = float(batch.arrival[-1])
         self.newest = max(self.newest or -math.inf, float(batch.arrival[-1]))
@@ -771,7 +764,6 @@ class DatagramEndpoint:
             first_arrivals=state.first,
             last_arrivals=state.last,
             reached=state.reached,
-            longest_gap=state.longest_gap,
         )
 
     def close_key(self, kind: Kind, step: int, bucket: int) -> None:

@@ -151,14 +151,18 @@ def test_a_run_killed_with_sigkill_is_cleaned_up_by_testbed_clean(tmp_path: Path
         assert _ends(pid, within=10.0), f"worker {pid} survived testbed clean"
 
 
-def test_ctrl_c_stops_a_run_and_removes_everything_it_made(tmp_path: Path):
-    """SIGINT (Ctrl-C) mid-run: the run ends with exit code 130, its namespaces and worker
-    processes are gone without `testbed clean`, and its run directory says it was
-    interrupted."""
+@pytest.mark.parametrize(("signum", "said"), [(signal.SIGINT, "interrupted (Ctrl-C)"),
+                                              (signal.SIGTERM, "terminated (SIGTERM)")],
+                         ids=["ctrl-c", "sigterm"])
+def test_ctrl_c_or_sigterm_stops_a_run_and_removes_everything_it_made(tmp_path: Path, signum,
+                                                                      said):
+    """SIGINT (Ctrl-C) or SIGTERM (a `kill`, a CI job's timeout) mid-run: the run ends with
+    exit code 128 + the signal's number, its namespaces and worker processes are gone without
+    `testbed clean`, and its run directory says which ended it."""
     from pyroute2 import netns
 
     runner, made, workers = _long_run(tmp_path)
-    runner.send_signal(signal.SIGINT)
+    runner.send_signal(signum)
     try:
         code = runner.wait(60)
     except subprocess.TimeoutExpired:
@@ -168,14 +172,14 @@ def test_ctrl_c_stops_a_run_and_removes_everything_it_made(tmp_path: Path):
         runner.kill()
         runner.wait()
         stacks = (tmp_path / "runner.stderr").read_text()[-6000:]
-        raise AssertionError(f"the run did not end within 60 s of Ctrl-C:\n{stacks}") from None
+        raise AssertionError(f"the run did not end within 60 s of {said}:\n{stacks}") from None
 
-    assert code == 130
-    assert not set(netns.listnetns()) & made, "Ctrl-C left namespaces"
+    assert code == 128 + signum
+    assert not set(netns.listnetns()) & made, f"{said} left namespaces"
     for pid in workers:
-        assert _ends(pid, within=10.0), f"worker {pid} survived Ctrl-C"
+        assert _ends(pid, within=10.0), f"worker {pid} survived {said}"
     summary = json.loads(next((tmp_path / "run").rglob("summary.json")).read_text())
-    assert summary["success"] is False and "interrupted" in summary["error"], summary
+    assert summary["success"] is False and said in summary["error"], summary
 
 
 def _ends(pid: int, within: float) -> bool:
