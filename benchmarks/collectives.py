@@ -59,6 +59,10 @@ QUICK_REPS = {1_000_000: 3, 10_000_000: 1}
 # The warm-up call sets up connections and buffers; past this size the others warm up on a
 # slice of the input (lossy always warms up on the whole: it learns its deadlines from it).
 WARMUP_NUMEL = 10_000_000
+# Every collective but lossy first makes a call of this many elements: it sets up the
+# connections and threads, so what the later calls add to memory is the tensor's alone. (Lossy
+# would learn its deadlines from it.)
+SETUP_NUMEL = 1024
 MTU = 1500
 FRAME_PAYLOAD = 1428 / 1514  # lossy: float bytes per Ethernet frame byte at MTU 1500
 # Lossy's pacing, as a fraction of the link rate. Each sender interleaves its three peers, so
@@ -186,14 +190,15 @@ def worker(spec: dict[str, Any]) -> None:
         rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         say(event="ready")
         result = None
-        steady_kb = 0
+        steady_kb = None
         for call in range(calls):
             if sys.stdin.readline().strip() != "go":
                 return
             result = None  # one result alive at a time
-            if call == spec["warmups"]:  # connections and threads are up: what a call adds
+            if spec["setup_call"] and call == 1:  # connections and threads are up
                 steady_kb = resident_kb(reset_peak=True)
-            tensor = mine[:spec["warmup_numel"]] if call < spec["warmups"] else mine
+            tensor = (mine[:SETUP_NUMEL] if spec["setup_call"] and call == 0
+                      else mine[:spec["warmup_numel"]] if call < spec["warmups"] else mine)
             started = time.monotonic()
             result, stats = collective.allreduce(tensor, call)
             seconds = time.monotonic() - started
@@ -212,7 +217,8 @@ def worker(spec: dict[str, Any]) -> None:
             namespace_default = default.read().strip()
         say(event="done", exact=exact, relative_error=error,
             extra_memory=(rss_after - rss_before) * 1024 / (numel * 4),
-            call_memory=(peak_kb - steady_kb) * 1024 / (numel * 4),
+            call_memory=(math.nan if steady_kb is None
+                         else (peak_kb - steady_kb) * 1024 / (numel * 4)),
             rss_before_mb=rss_before / 1024, rss_after_mb=rss_after / 1024,
             tcp=tcp_algorithms(), tcp_default=namespace_default)
     finally:
@@ -263,10 +269,17 @@ class Cell:
         return min(max(10 * bound, 30.0), 120.0)
 
     @property
+    def setup_call(self) -> bool:
+        """Whether the first call is a SETUP_NUMEL one (counted among the warm-ups)."""
+        return not self.kind.startswith("lossy")
+
+    @property
     def warmups(self) -> int:
         """Lossy learns its deadlines from the last arrivals of earlier calls: three warm-ups
-        where they are cheap."""
-        return 3 if self.kind.startswith("lossy") and self.numel <= WARMUP_NUMEL else 1
+        where they are cheap; the others one, after their set-up call."""
+        if self.kind.startswith("lossy"):
+            return 3 if self.numel <= WARMUP_NUMEL else 1
+        return 2
 
     @property
     def reps(self) -> int:
@@ -376,7 +389,8 @@ def run_cell(lab, cell: Cell, port: int, logs: Path) -> Outcome:
         for rank, options in enumerate(options_for(cell, lab, port, key_file)):
             spec = {"rank": rank, "kind": cell.kind.split("-")[0], "numel": cell.numel,
                     "world": cell.world, "calls": calls, "options": options,
-                    "warmup_numel": cell.warmup_numel, "warmups": cell.warmups}
+                    "warmup_numel": cell.warmup_numel, "warmups": cell.warmups,
+                    "setup_call": cell.setup_call}
             error = (logs / f"{cell.kind}-{cell.numel}-{rank}.err").open("w")
             errors.append(error)
             process = lab.popen(lab.hosts[rank], [sys.executable, "-m", "benchmarks.collectives",
@@ -832,7 +846,9 @@ def report(outcomes: list[Outcome], command: str, started: datetime.datetime,
         "backend=\"fallback\")`: htb at the rate with a 1000-packet fifo queue, nftables random "
         "drop for the loss (this kernel has no sch_netem). Each worker is its own process in "
         "its own namespace; the "
-        "parent releases all four for each call, so every call starts together. One warm-up "
+        "parent releases all four for each call, so every call starts together. Every "
+        f"collective but lossy first makes a {SETUP_NUMEL:,}-element call that sets up its "
+        "connections and threads; then one warm-up "
         f"call (on the first {WARMUP_NUMEL / 1e6:g}M elements for larger tensors, except "
         "lossy, which learns its deadlines from its warm-ups: three up to "
         f"{WARMUP_NUMEL / 1e6:g}M elements, one above), then timed calls ("
@@ -892,7 +908,7 @@ def grid_targets(outcomes: list[Outcome]) -> list[tuple[bool | None, str]]:
                       f"{'exact' if o.exact else 'NOT the exact mean'} (target >= 0.85, exact)"))
         lines.append((o.call_memory < 2, f"{where}: a call's peak extra memory "
                       f"{o.call_memory:.2f}x the tensor (target < 2x); {o.extra_memory:.2f}x "
-                      "with the connections and threads the warm-up set up"))
+                      "with the connections and threads its set-up call made"))
     return lines
 
 
@@ -923,7 +939,8 @@ def grid_report(outcomes: list[Outcome], command: str, started: datetime.datetim
         "backend=\"fallback\")` (htb, this kernel has no sch_netem), no loss. Each peer is "
         "its own process in its own namespace, Moshpit over TCP "
         f"{congestion_of(outcomes)} with `group_size` {GRID_GROUP}: N = 8 sits on a 4x2 grid, "
-        "N = 16 on 4x4. One warm-up call, then timed calls (1M: 5, 10M: 2); the time is the "
+        f"N = 16 on 4x4. A {SETUP_NUMEL:,}-element set-up call, one warm-up call, then timed "
+        "calls (1M: 5, 10M: 2); the time is the "
         "slowest peer's, averaged over the timed calls; the call's deadline (`timeout`) is 10x the "
         "bound, 30-120 s. Moshpit's bound is one group all-reduce per grid axis: each peer "
         "receives 2(g-1)/g of the tensor per side g (4x2: 2.5 tensors; 4x4: 3), at the rate; "
@@ -933,10 +950,11 @@ def grid_report(outcomes: list[Outcome], command: str, started: datetime.datetim
         "inputs are `mean + c_r * noise` with the c_r summing to zero and no proper subset "
         f"doing so (`offsets`): the result must equal `mean` (tolerance {TOLERANCE:g}). Memory, "
         "over the tensor's bytes, worst peer (the result itself is one tensor): `call "
-        "memory` is the timed calls' peak resident size (VmHWM, reset as they begin) over "
-        "the resident size they began at, once the warm-up had set up the connections and "
-        "threads; `with set-up` is ru_maxrss after the calls over before the warm-up, the "
-        "collective already built: it adds those fixed costs, a few MB whatever the tensor.",
+        "memory` is the peak resident size over the warm-up and timed calls (VmHWM, reset as "
+        "they begin) over the resident size they began at, once the set-up call had made "
+        "the connections and threads; `with set-up` is ru_maxrss after the calls over before "
+        "the set-up call, the collective already built: it adds those fixed costs, a few MB "
+        "whatever the tensor.",
         "",
         *rows,
         "",

@@ -25,7 +25,11 @@ def cpu() -> str:
 
 def written_by(command: str, started: datetime.datetime, elapsed_seconds: float) -> str:
     """'Written by `COMMAND`, started YYYY-MM-DD HH:MM UTC, took N.N min. Machine: CPU, `nproc`
-    N, Linux RELEASE, Python VERSION.' (`started` in UTC)."""
+    N, Linux RELEASE, Python VERSION.' (`started` in UTC), and glibc's MALLOC_* settings if
+    any are set."""
+    allocator = sorted(f"{name}={value}" for name, value in os.environ.items()
+                       if name.startswith("MALLOC_"))  # glibc's tunables change memory figures
     return (f"Written by `{command}`, started {started:%Y-%m-%d %H:%M} UTC, took "
             f"{elapsed_seconds / 60:.1f} min. Machine: {cpu()}, `nproc` {os.cpu_count()}, "
-            f"Linux {platform.release()}, Python {platform.python_version()}.")
+            f"Linux {platform.release()}, Python {platform.python_version()}."
+            + (f" With {', '.join(allocator)} in the environment." if allocator else ""))
