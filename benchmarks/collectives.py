@@ -126,23 +126,11 @@ def compare(result, mean, mine, block: int = 1 << 20) -> tuple[bool, float]:
     return exact, math.sqrt(error / alone) if alone else 0.0
 
 
-def resident_kb(reset_peak: bool = False) -> int:
+def resident_kb(reset_peak: bool = False) -> int | None:
     """This process's resident kB now; with `reset_peak`, its peak (VmHWM) starts again here."""
     if reset_peak:
         Path("/proc/self/clear_refs").write_text("5")
-    return _status_kb("VmRSS")
-
-
-def peak_resident_kb() -> int:
-    """This process's peak resident kB since the last reset (or its start)."""
-    return _status_kb("VmHWM")
-
-
-def _status_kb(field_name: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field_name + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {field_name}")
+    return machine.status_kb("VmRSS")
 
 
 def tcp_algorithms() -> dict[str, int]:
@@ -211,13 +199,13 @@ def worker(spec: dict[str, Any]) -> None:
                 bytes_sent=stats.bytes_sent, peers_missing=list(stats.peers_missing),
                 extra=extra)
         rss_after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        peak_kb = peak_resident_kb()
+        peak_kb = machine.status_kb("VmHWM")  # since the reset
         exact, error = compare(result, mean, mine) if result is not None else (False, math.nan)
         with open("/proc/sys/net/ipv4/tcp_congestion_control") as default:
             namespace_default = default.read().strip()
         say(event="done", exact=exact, relative_error=error,
             extra_memory=(rss_after - rss_before) * 1024 / (numel * 4),
-            call_memory=(math.nan if steady_kb is None
+            call_memory=(math.nan if steady_kb is None or peak_kb is None
                          else (peak_kb - steady_kb) * 1024 / (numel * 4)),
             rss_before_mb=rss_before / 1024, rss_after_mb=rss_after / 1024,
             tcp=tcp_algorithms(), tcp_default=namespace_default)

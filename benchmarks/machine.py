@@ -1,5 +1,5 @@
 """The sentence that opens every results file: the command that wrote it, when it started, how
-long it took, and the machine it ran on."""
+long it took, and the machine it ran on; and what /proc says of a process's memory."""
 
 from __future__ import annotations
 
@@ -33,3 +33,14 @@ def written_by(command: str, started: datetime.datetime, elapsed_seconds: float)
             f"{elapsed_seconds / 60:.1f} min. Machine: {cpu()}, `nproc` {os.cpu_count()}, "
             f"Linux {platform.release()}, Python {platform.python_version()}."
             + (f" With {', '.join(allocator)} in the environment." if allocator else ""))
+
+
+def status_kb(field: str, pid: int | str = "self") -> int | None:
+    """A kB field of /proc/PID/status (`VmRSS`, `VmHWM`); None if the process or field is gone."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    except OSError:
+        return None
+    return None

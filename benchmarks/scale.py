@@ -154,7 +154,7 @@ class MemoryWatch:
             if len(pids) >= self.workers and self.all_seen is None:
                 self.all_seen = now
             for pid in pids:
-                peak, pss = _status(pid, "VmHWM:"), _pss(pid)
+                peak, pss = machine.status_kb("VmHWM", pid), _pss(pid)
                 if peak is not None:
                     self.peak[pid] = max(peak, self.peak.get(pid, 0))
                 if pss is not None:
@@ -165,16 +165,6 @@ def _pss(pid: int) -> int | None:
     try:
         for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
             if line.startswith("Pss:"):
-                return int(line.split()[1])
-    except OSError:
-        return None
-    return None
-
-
-def _status(pid: int, field: str) -> int | None:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith(field):
                 return int(line.split()[1])
     except OSError:
         return None
