@@ -154,20 +154,19 @@ class Lossy(CollectiveBase):
         a phase); `straggler_timeout` is how long a peer's first chunk is waited for. With
         `settle` (seconds) ends a phase once every sender's stream has ended and nothing came
         for that long (the rest was lost; None waits to the deadline; "auto" learns it between
-        1 and 10 ms from what came late). With `parity` G > 0
-        every broadcast carries an XOR parity chunk per G chunks, from which a receiver
-        rebuilds a chunk that is the only one of its group lost. `missed` says what a copy
-        holds where a parameter broadcast chunk was missed (`step`; MISSED): its stale value,
-        or that plus the last update it received there, or plus its own optimizer's update of
-        its local gradient. With `resend`, a worker asks each owner once for the broadcast
-        chunks it lacks, and gets them again within the call. The defaults (settle auto,
-        parity 4, resend) are the ones that kept training within the accuracy targets under
-        10-30% loss (docs/training.md). The workers meet over
-        TCP at `stream_addresses` (default: `addresses`; TCP ports are apart from UDP's), with
-        `congestion` control and `timeout` per message, before the first datagram, waiting up to
-        `rendezvous_timeout` for all of them (ranks may arrive minutes apart: a DDP script
-        broadcasts its model first); with
-        `resync_every` N > 0, every step whose number + 1 is a multiple of N broadcasts there.
+        1 and 10 ms from what came late). With `parity` G > 0 every broadcast carries an XOR
+        parity chunk per G chunks, from which a receiver rebuilds a chunk that is the only one
+        of its group lost. `missed` says what a copy holds where a parameter broadcast chunk
+        was missed (`step`; MISSED): its stale value, or that plus the last update it received
+        there, or plus its own optimizer's update of its local gradient. With `resend`, a
+        worker asks each owner once for the broadcast chunks it lacks, and gets them again
+        within the call. The defaults (settle auto, parity 4, resend) are the ones that kept
+        training within the accuracy targets under 10-30% loss (docs/training.md). The
+        workers meet over TCP at `stream_addresses` (default: `addresses`; TCP ports are apart
+        from UDP's), with `congestion` control and `timeout` per message, before the first
+        datagram, waiting up to `rendezvous_timeout` for all of them (ranks may arrive minutes
+        apart: a DDP script broadcasts its model first); with `resync_every` N > 0, every
+        step whose number + 1 is a multiple of N broadcasts there.
         `endpoint` and `listener`, if given, are this rank's already bound sockets (then they
         are at `addresses[rank]` and `stream_addresses[rank]`) and are closed with this object.
         `test_loss` is for tests. A worker `rejoining` a running group (restarted after a
