@@ -26,6 +26,7 @@ from pathlib import Path
 
 from pyroute2 import IPRoute, netns
 
+from netem.lifecycle import StartsOnEnter
 from netem.namespace import netlink_in
 from netem.offload import set_offloads
 
@@ -47,7 +48,7 @@ class Host:
 
 
 @dataclass
-class Lab:
+class Lab(StartsOnEnter):
     """Hosts in namespaces joined by a bridge. Use as a context manager; `close` is idempotent."""
 
     size: int
@@ -67,17 +68,6 @@ class Lab:
     def switch_address(self) -> str:
         """The bridge's own address in the switch namespace: the subnet's last usable one."""
         return str(ipaddress.ip_network(self.subnet).broadcast_address - 1)
-
-    def __enter__(self) -> Lab:
-        try:
-            self.start()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def start(self) -> None:
         self._builder = os.getpid()

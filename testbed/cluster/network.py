@@ -37,6 +37,7 @@ from typing import Literal
 
 from netem.backend import resolve_backend, usable
 from netem.lab import Lab
+from netem.lifecycle import StartsOnEnter
 from netem.plan import UnsupportedByKernel
 from netem.profile import LinkProfile
 from netem.session import Session
@@ -54,7 +55,7 @@ class NetworkError(RuntimeError):
     """The cluster's network could not be built or changed; the message says what and why."""
 
 
-class ClusterNetwork(ShapedNetwork):
+class ClusterNetwork(StartsOnEnter, ShapedNetwork):
     """The shaped network of a scenario's workers. Use as a context manager (or `start`/`close`);
     `close` is idempotent and runs on failure and Ctrl-C through the context manager."""
 
@@ -78,17 +79,6 @@ class ClusterNetwork(ShapedNetwork):
         self.apply_seconds: list[float] = []  # how long each change took, in order
 
     # -- life cycle
-
-    def __enter__(self) -> ClusterNetwork:
-        try:
-            self.start()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def start(self) -> None:
         """Check every receiver's rules against the backend (nothing is created when one cannot be

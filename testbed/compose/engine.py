@@ -28,6 +28,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 from netem.lab import process_identity
+from netem.lifecycle import StartsOnEnter
 
 ENGINE_WAIT = 60.0  # seconds for a new dockerd to answer
 STOP_WAIT = 30.0  # seconds for a stopped dockerd to exit before it is killed
@@ -58,7 +59,7 @@ def docker(env: Mapping[str, str], *args: str, timeout: float = 120.0,
     return result
 
 
-class Engine:
+class Engine(StartsOnEnter, close="stop"):
     """A dockerd of the testbed's own: its images and containers under `data_root`, its socket,
     pid file and containerd under a fresh directory in /run; nothing shared with an engine the
     host may run. `networking` False: no default bridge, no iptables rules, IP forwarding left
@@ -114,17 +115,6 @@ class Engine:
                     os.killpg(process.pid, signal.SIGKILL)
                 process.wait()
         _remove(self.state)
-
-    def __enter__(self) -> Engine:
-        try:
-            self.start()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
 
 def mounts_under(directory: Path) -> list[str]:
