@@ -43,6 +43,7 @@ from typing import Any
 
 import netem
 from netem.profile import LinkProfile
+from testbed.cluster.exchange import serve_run_store
 from testbed.cluster.relay import TARGETS_FILE, target_groups
 from testbed.cluster.shaped import ShapedNetwork
 from testbed.cluster.timeline import Timeline
@@ -53,10 +54,10 @@ from testbed.cluster.worker import (
     post_burst,
     post_fault,
     post_links,
-    serve_run_store,
 )
 from testbed.scenario.links import LinkState, Pair
-from testbed.scenario.model import Event, Scenario
+from testbed.scenario.model import Scenario
+from testbed.scenario.timeline import Event
 
 STORE_WAIT = 300.0  # seconds a node waits for worker 0's store and run directory
 # Where `testbed compose` mounts the run's secret (read-only) where the scenario authenticates.

@@ -32,6 +32,7 @@ from typing import Any
 
 from netem.namespace import inside
 from testbed.cluster.capture import RunCapture
+from testbed.cluster.exchange import serve_run_store
 from testbed.cluster.network import ClusterNetwork
 from testbed.cluster.relay import TARGETS_FILE, MetricsRelay
 from testbed.cluster.timeline import Timeline
@@ -41,12 +42,11 @@ from testbed.cluster.worker import (
     post_burst,
     post_fault,
     post_links,
-    serve_run_store,
 )
 from testbed.cluster.zygote import ForkedWorker, Zygote
 from testbed.report import RunWriter
 from testbed.scenario import Scenario, load_scenario
-from testbed.scenario.model import Event
+from testbed.scenario.timeline import Event
 from testbed.transport.auth import write_key
 
 STOP_GRACE = 10.0  # seconds a worker gets to end after SIGTERM before SIGKILL

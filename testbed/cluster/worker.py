@@ -4,7 +4,8 @@ The runner starts it inside the worker's network namespace. It trains its share 
 scenario's job over the scenario's collective, exports its metrics on `/metrics`, appends a
 step event per step to the run directory (`testbed.report`), swaps a parameter sketch and its
 compute times with the other workers every `metrics.drift_every` steps (parameter drift and the
-straggler wait), applies the straggler bursts the runner appends to its control file, and
+straggler wait, off the training path: `testbed.cluster.exchange`), applies the straggler
+bursts the runner appends to its control file, and
 prints one JSON line per step on stdout for the runner's live display, then a final
 `{"done": true, ...}` line, after which it keeps /metrics up for `metrics.linger` seconds (the
 runner ends that sooner, once every worker is done). A worker restarted after a preemption
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import datetime
 import json
 import math
 import os
@@ -33,8 +33,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from testbed.cluster.exchange import FigureRelay, PeerExchange
+
 PORTS = {"collective": 29500, "stream": 29501, "store": 29502, "drift": 29503, "metrics": 9100}
-EXCHANGE_WAIT = 5.0  # seconds to wait for the other workers' figures before skipping them
 START_WAIT = 300.0  # seconds the workers wait for each other to be ready for step 0
 PULL_WAIT = 60.0  # seconds a rejoining worker waits for a live one to send its parameters
 
@@ -129,106 +130,6 @@ def placement(spec: WorkerSpec, scenario: Any) -> Any:
                      run_id=spec.run_id, mtu=spec.mtu or scenario.topology.mtu,
                      congestion=scenario.congestion(spec.rank), rejoining=spec.rejoin,
                      key=read_key(Path(spec.key_file)) if spec.key_file else None)
-
-
-def serve_run_store(host: str, port: int) -> Any:
-    """The run's store (a torch TCPStore), served by the calling thread's network namespace
-    for as long as the returned object lives. The runner serves it from worker 0's namespace,
-    so it outlives any worker: one that ends or is killed first takes nothing with it."""
-    from torch.distributed import TCPStore
-
-    return TCPStore(host, port, is_master=True, wait_for_workers=False,
-                    timeout=datetime.timedelta(seconds=60))
-
-
-class PeerExchange:
-    """The workers' meeting point, the run's store (apart from the collective, so a lossy one
-    still gets exact figures): the start barrier, progress for a rejoining worker, and every
-    worker's figures of a step. The runner serves the store (`serve_run_store`)."""
-
-    def __init__(self, spec: WorkerSpec) -> None:
-        from torch.distributed import TCPStore
-
-        self.spec = spec
-        self.store = TCPStore(spec.run_store or spec.hosts[0], spec.port("drift", 0),
-                              is_master=False,
-                              timeout=datetime.timedelta(seconds=60))
-        # Requests for parameters made before this worker started are not its to answer.
-        self._answered = self.store.add("parameters/asked", 0)
-
-    def _meet(self, name: str, value: bytes, timeout: float) -> list[str]:
-        """Post this worker's `value` under `name`; every worker's key, once all are there.
-        Raises TimeoutError if some are not within `timeout` seconds."""
-        self.store.set(f"{name}/{self.spec.rank}", value)
-        keys = [f"{name}/{rank}" for rank in range(self.spec.world)]
-        try:
-            self.store.wait(keys, datetime.timedelta(seconds=timeout))
-        except RuntimeError:  # a timeout: c10d raises DistStoreError, a RuntimeError
-            raise TimeoutError(name) from None
-        return keys
-
-    def barrier(self, name: str, timeout: float) -> None:
-        """Return once every worker reached barrier `name`; raise naming the workers that did
-        not within `timeout` seconds."""
-        try:
-            self._meet(name, b"1", timeout)
-        except TimeoutError:
-            absent = [rank for rank in range(self.spec.world)
-                      if not self.store.check([f"{name}/{rank}"])]
-            raise RuntimeError(f"workers {absent} did not reach {name!r} within {timeout:g} s "
-                               f"(see their logs)") from None
-
-    def report_progress(self, step: int) -> None:
-        """This worker finished `step` (what a rejoining worker reads)."""
-        self.store.set(f"progress/{self.spec.rank}", str(step))
-
-    def request_parameters(self, timeout: float) -> tuple[int, Any] | None:
-        """A rejoining worker asks the live ones for their parameters (for collectives that
-        cannot hand them over themselves): (the step the sender had finished, its flat
-        parameter vector), or None if no live worker answered within `timeout` seconds."""
-        import torch
-
-        number = self.store.add("parameters/asked", 1)
-        try:
-            self.store.wait([f"parameters/{number}"], datetime.timedelta(seconds=timeout))
-        except RuntimeError:  # a timeout: c10d raises DistStoreError, a RuntimeError
-            return None
-        reply = bytearray(self.store.get(f"parameters/{number}"))
-        step = int.from_bytes(reply[:8], "big", signed=True)
-        return step, torch.frombuffer(reply[8:], dtype=torch.float32)
-
-    def answer_parameters(self, step: int, parameters: Callable[[], Any]) -> None:
-        """A live worker between steps: answer the requests made since its last look (the
-        first live worker to claim one answers it) with `parameters()` after `step`."""
-        import torch
-
-        asked = self.store.add("parameters/asked", 0)
-        while self._answered < asked:
-            self._answered += 1
-            key = f"parameters/{self._answered}"
-            claim = self.store.compare_set(f"{key}/by", "", str(self.spec.rank))
-            if claim.decode() == str(self.spec.rank):
-                vector = parameters().detach().to(dtype=torch.float32).contiguous()
-                self.store.set(key, step.to_bytes(8, "big", signed=True)
-                               + vector.numpy().tobytes())
-
-    def progress(self) -> int:
-        """The last step the most advanced other worker finished (-1: none yet)."""
-        keys = [f"progress/{rank}" for rank in range(self.spec.world) if rank != self.spec.rank]
-        return max((int(self.store.get(key)) for key in keys if self.store.check([key])),
-                   default=-1)
-
-    def rows(self, step: int, values: Any) -> dict[int, Any] | None:
-        """Every worker's `values` (a float64 tensor) of `step`, or None if one did not come
-        within EXCHANGE_WAIT (a worker killed by the timeline)."""
-        import torch
-
-        try:
-            keys = self._meet(str(step), values.numpy().tobytes(), EXCHANGE_WAIT)
-        except TimeoutError:
-            return None
-        return {rank: torch.frombuffer(bytearray(self.store.get(key)), dtype=torch.float64)
-                for rank, key in enumerate(keys)}
 
 
 class WorkerControl:
@@ -448,65 +349,88 @@ class Worker:
             exchange.barrier("start", START_WAIT)
             say(rank=spec.rank, ready=True)
         self.on_start()
-        # Progress is posted only for a worker that may come back to read it (a store round
-        # trip per step otherwise spent for nothing).
+        # Progress is posted, and requests for parameters watched, only where a worker may
+        # come back to read them.
         rejoinable = any(event.action == "restart" for event in scenario.timeline)
         control = WorkerControl(control_path(spec.run_dir, spec.rank), config.seed, spec.rank,
                                 on_link=metrics.set_link_profile,
                                 on_fault=metrics.record_fault)
         every = scenario.metrics.drift_every
+        figures = StepFigures(scenario, spec.rank, metrics, writer)
+        relay = FigureRelay(spec, figures.received, rejoinable=rejoinable)
         computes: dict[int, float] = {}
-        for step in range(start, config.steps):
-            self.before_step(step)
-            control.poll()
-            record = job.step(step, extra_delay=control.delay())
-            if rejoinable:
-                exchange.report_progress(step)
-                exchange.answer_parameters(
-                    step, lambda: parameters_to_vector(job.parameters))
-            computes[step] = record.compute_seconds
-            if config.eval_every and (step + 1) % config.eval_every == 0:
-                record.evaluation = job.evaluate()
-            measured = None
-            if every and (step + 1) % every == 0:
-                vector = parameters_to_vector(job.parameters).detach()
-                measured = self._exchange(exchange, metrics, scenario, step, vector, computes)
-                computes.clear()
-                if scenario.metrics.dump_parameters:
-                    writer.parameters(step, vector.numpy())
-            metrics.record_step(record)
-            metrics.observe_transport(collective)
-            writer.step(record, drift=measured.relative if measured else None)
-            stats = record.stats
-            say(rank=spec.rank, step=step, loss=record.loss, step_seconds=record.step_seconds,
-                 coverage=stats.coverage if stats else None,
-                 datagrams_lost=(stats.extra.get("datagrams_lost") if stats else None),
-                 drift=measured.relative if measured else None)
+        try:
+            for step in range(start, config.steps):
+                self.before_step(step)
+                control.poll()
+                record = job.step(step, extra_delay=control.delay())
+                if rejoinable:
+                    relay.post_progress(step)
+                    if relay.parameters_wanted:
+                        relay.answer_parameters(step, parameters_to_vector(job.parameters))
+                computes[step] = record.compute_seconds
+                if config.eval_every and (step + 1) % config.eval_every == 0:
+                    record.evaluation = job.evaluate()
+                if every and (step + 1) % every == 0:
+                    vector = parameters_to_vector(job.parameters).detach()
+                    relay.post_figures(step, figures.row(step, vector, computes))
+                    computes.clear()
+                    if scenario.metrics.dump_parameters:
+                        writer.parameters(step, vector.numpy())
+                metrics.record_step(record)
+                metrics.observe_transport(collective)
+                writer.step(record)
+                stats = record.stats
+                say(rank=spec.rank, step=step, loss=record.loss,
+                     step_seconds=record.step_seconds,
+                     coverage=stats.coverage if stats else None,
+                     datagrams_lost=(stats.extra.get("datagrams_lost") if stats else None),
+                     drift=figures.latest)
+        finally:
+            relay.close()  # the last figures recorded before the end is written
         writer.end(success=True)
         return job.evaluate()
 
-    def _exchange(self, exchange: PeerExchange, metrics: Any, scenario: Any, step: int,
-                  vector: Any, computes: dict[int, float]) -> Any:
-        """Swap this worker's parameter sketch and its compute time of each step since the
-        last exchange; record the drift and, for every step all workers ran, how long this one
-        waited for the slowest. Returns the drift, or None if a worker did not answer."""
+
+class StepFigures:
+    """The figures the workers swap every `metrics.drift_every` steps (through `FigureRelay`,
+    off the training path): a sketch of each one's parameters and its compute time of each step
+    since the last swap. From every worker's, the drift (a `drift` event and the metrics) and,
+    for each step all workers ran, how long this one waited for the slowest."""
+
+    def __init__(self, scenario: Any, rank: int, metrics: Any, writer: Any) -> None:
+        from testbed.metrics.drift import DEFAULT_K
+
+        self.k, self.every = scenario.metrics.drift_k or DEFAULT_K, scenario.metrics.drift_every
+        self.rank, self.metrics, self.writer = rank, metrics, writer
+        self.latest: float | None = None  # the last drift measured, for the live display
+
+    def row(self, step: int, vector: Any, computes: dict[int, float]) -> Any:
+        """This worker's figures of `step`: the sketch of `vector`, then its compute times."""
         import torch
 
-        from testbed.metrics.drift import DEFAULT_K, drift_from, projection
+        from testbed.metrics.drift import projection
 
-        k, every = scenario.metrics.drift_k or DEFAULT_K, scenario.metrics.drift_every
-        window = range(step - every + 1, step + 1)
+        window = range(step - self.every + 1, step + 1)
         mine = torch.tensor([computes.get(s, math.nan) for s in window], dtype=torch.float64)
-        sketch = projection(vector, step, k)
-        rows = exchange.rows(step, torch.cat([sketch, mine]))
+        return torch.cat([projection(vector, step, self.k), mine])
+
+    def received(self, step: int, rows: dict[int, Any] | None) -> None:
+        """Every worker's figures of `step` came (None: some worker's did not)."""
+        import torch
+
+        from testbed.metrics.drift import drift_from
+
         if rows is None:
-            return None
+            return
+        k = self.k
         times = torch.stack([row[k:] for _, row in sorted(rows.items())])  # (world, every)
         for column in times.T[times.isfinite().all(dim=0)]:
-            metrics.record_peer_compute(dict(enumerate(column.tolist())))
-        measured = drift_from({rank: row[:k] for rank, row in rows.items()}, sketch)
-        metrics.record_drift(measured)
-        return measured
+            self.metrics.record_peer_compute(dict(enumerate(column.tolist())))
+        measured = drift_from({rank: row[:k] for rank, row in rows.items()}, rows[self.rank][:k])
+        self.metrics.record_drift(measured)
+        self.writer.drift(step, measured.relative)
+        self.latest = measured.relative
 
 
 def control_path(run_dir: str | Path, rank: int) -> Path:

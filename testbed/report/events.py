@@ -89,6 +89,17 @@ class StepEvent:
 
 
 @dataclass
+class DriftEvent:
+    """A worker's drift at `step`, measured once every worker's figures of that step came
+    (after the step's own event); `load_run` puts it on the step."""
+
+    t: float
+    rank: int
+    step: int
+    drift: float | None
+
+
+@dataclass
 class FaultEvent:
     """A fault the timeline applied: `scheduled` is when it was due, `t` when it happened."""
 
@@ -187,6 +198,9 @@ def parse_event(data: Any) -> Any:
     t = _get(data, "t", "number", required=True)
     if kind == "step":
         return _step(data, t)
+    if kind == "drift":
+        return DriftEvent(t, _get(data, "rank", "int", required=True),
+                          _get(data, "step", "int", required=True), _get(data, "drift", "number"))
     if kind == "fault":
         rest = {k: v for k, v in data.items() if k not in ("type", "t", "action", "scheduled")}
         target = data.get("link", data.get("rank", data.get("target")))

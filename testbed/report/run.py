@@ -8,6 +8,7 @@ dropped, and `Run.warnings` says so.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ import numpy as np
 from testbed.report.events import (
     CUMULATIVE,
     LEVELS,
+    DriftEvent,
     EndEvent,
     EventError,
     FaultEvent,
@@ -141,6 +143,7 @@ def load_run(run_dir: str | Path) -> Run:
     faults: list[FaultEvent] = []
     links: list[LinkEvent] = []
     ends: list[EndEvent] = []
+    drifts: list[DriftEvent] = []
     other: list[dict[str, Any]] = []
     start: RunEvent | None = None
     for file in files:
@@ -153,6 +156,8 @@ def load_run(run_dir: str | Path) -> Run:
                 links.append(event)
             elif isinstance(event, EndEvent):
                 ends.append(event)
+            elif isinstance(event, DriftEvent):
+                drifts.append(event)
             elif isinstance(event, RunEvent):
                 start = start or event
             else:
@@ -167,6 +172,10 @@ def load_run(run_dir: str | Path) -> Run:
                             "the later one is used")
         seen[key] = index
     steps = sorted((steps[i] for i in seen.values()), key=lambda s: (s.rank, s.step))
+    by_key = {(event.rank, event.step): event for event in steps}
+    for drift in drifts:
+        if (drift.rank, drift.step) in by_key:
+            by_key[drift.rank, drift.step].drift = drift.drift
     scenario_path = path / SCENARIO
     scenario = scenario_path.read_text() if scenario_path.is_file() else None
     summary = None
@@ -349,12 +358,14 @@ def parameter_dumps(run_dir: str | Path) -> dict[tuple[int, int], np.ndarray]:
 
 
 def describe_runs(root: str | Path, log_lines: int = 12) -> str:
-    """Every run directory under `root` (found by its `logs/`), for a failed test's report: its
-    summary's verdict and error, and the last `log_lines` lines of each log and of each
+    """Every run directory under `root` (found by its `logs/` or its events), for a failed
+    test's report: its summary's verdict and error, each worker's steps over time
+    (`describe_steps`: who fell behind), and the last `log_lines` lines of each log and of each
     command job's stderr."""
     parts = []
-    for logs in sorted(Path(root).rglob("logs")):
-        run = logs.parent
+    runs = {path.parent for path in Path(root).rglob("logs") if path.is_dir()}
+    runs |= {path.parent for path in Path(root).rglob(EVENTS)}
+    for run in sorted(runs):
         summary = run / SUMMARY
         if summary.exists():
             try:
@@ -364,8 +375,36 @@ def describe_runs(root: str | Path, log_lines: int = 12) -> str:
                 parts.append(f"{run}: {SUMMARY} unreadable ({error})")
         else:
             parts.append(f"{run}: no {SUMMARY}")
+        parts.extend(describe_steps(run))
+        logs = run / "logs"
         for log in sorted([*logs.glob("*.log"), *logs.glob("*.stderr")]):
             lines = log.read_text(errors="replace").splitlines()[-log_lines:]
             parts.append(f"--- {log.name} (last {len(lines)} lines)")
             parts.extend(lines)
     return "\n".join(parts)
+
+
+def describe_steps(run_dir: str | Path) -> list[str]:
+    """Each worker's steps over time, a line each: its first and last step and when (seconds
+    since the run's start), its longest step, and its longest gap between two step events
+    (the step and whatever held the worker between steps), with when."""
+    try:
+        run = load_run(run_dir)
+    except RunError as error:
+        return [f"steps: not readable ({error})"]
+    lines = []
+    for rank in sorted({step.rank for step in run.steps}):
+        steps = [step for step in run.steps if step.rank == rank]
+        first, last = steps[0], steps[-1]
+        line = (f"rank {rank}: steps {first.step}..{last.step} ({len(steps)} recorded), "
+                f"t {first.t:.1f}..{last.t:.1f} s")
+        longest = max(steps, key=lambda step: step.step_seconds
+                      if math.isfinite(step.step_seconds) else -1.0)
+        if math.isfinite(longest.step_seconds):
+            line += (f"; longest step {longest.step_seconds:.2f} s (step {longest.step}, "
+                     f"t {longest.t:.1f} s)")
+        if len(steps) > 1:
+            gap, after = max((b.t - a.t, b) for a, b in itertools.pairwise(steps))
+            line += f"; longest gap {gap:.2f} s (before step {after.step}, t {after.t:.1f} s)"
+        lines.append(line)
+    return lines

@@ -146,6 +146,13 @@ class RunWriter:
             values["drift"] = None
         return self.event("step", t=t, **values, **fields)
 
+    def drift(self, step: int, drift: float) -> dict[str, Any]:
+        """This worker's drift from the figures every worker swapped after `step`: written when
+        they came, after the step's own event (the swap is off the training path); `load_run`
+        puts it on that step."""
+        return self.event("drift", rank=self.rank, step=step,
+                          drift=float(drift) if math.isfinite(float(drift)) else None)
+
     def parameters(self, step: int, vector: np.ndarray) -> Path:
         """A worker's flat parameter vector after `step` (`metrics.dump_parameters`), written
         whole or not at all (`run.parameter_dumps` reads them back)."""
