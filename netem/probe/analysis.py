@@ -31,9 +31,14 @@ GUEST_TIMING_FLOOR = 0.002
 # it fails by chance with probability below 1e-5.
 Z = 5.5
 MIN_BURSTS = 20  # fewer loss bursts than this say nothing about their mean length
-# With more of the arrivals than this in flight while the sender stalled, the host was too busy
-# for the rest to speak for the link's delay.
-MAX_STALLED = 0.2
+# A probe held up by a stall of the sender (in a guest: of its whole kernel, netem's timers
+# included) was stamped within this long before or during the stall, or its delivery fell due
+# during it and it arrived within this long after the stall ended.
+STALL_MARGIN = 0.001
+# Delay and jitter are judged on the probes no stall held up, when there are at least this many
+# of them (or half the arrivals of a shorter train): the relative standard error of the jitter
+# is then at most 1/sqrt(2 * 500) = 3.2%, a sixth of its tolerance.
+MIN_TIMED = 500
 
 
 # ---------------------------------------------------------------------------------------------
@@ -129,7 +134,7 @@ class ProbeResult:
     rate_frames: int = 0
     rate_frame_bytes: int = 0
     rate_offered: float | None = None  # what the bulk train's sender achieved, bits/s
-    stalled: int = 0  # arrivals left out of the delay figures: in flight while the sender stalled
+    stalled: int = 0  # arrivals left out of the delay figures: held up by a stall of the sender
     trains: int = 1  # timed trains sent: the ones before the last found the host too busy
 
     @property
@@ -138,24 +143,32 @@ class ProbeResult:
 
     @property
     def too_busy(self) -> bool:
-        """More than MAX_STALLED of the arrivals were in flight while the sender stalled: the
-        host, not the link, decided too many delays for the rest to speak for the link."""
-        return self.stalled > MAX_STALLED * max(self.arrivals, 1)
+        """Stalls of the sender held up so many probes that too few (MIN_TIMED, or half the
+        arrivals of a shorter train) are left to judge delay and jitter on."""
+        timed = self.arrivals - self.stalled
+        return timed < min(MIN_TIMED, self.arrivals / 2)
 
 
-def in_flight_during(windows: np.ndarray, sent_ns: np.ndarray,
-                     recv_ns: np.ndarray) -> np.ndarray:
-    """Which arrivals were in flight (sent before a window ended, received after it began)
-    during any of the `windows` ((from, to) ns, disjoint, in order): vectorised."""
+def held_by_stalls(windows: np.ndarray, sent_ns: np.ndarray, recv_ns: np.ndarray,
+                   margin_ns: int = int(STALL_MARGIN * 1e9)) -> np.ndarray:
+    """Which arrivals a stall of the sender may have held up (`windows`: (from, to) ns when it
+    did not run): those stamped from `margin_ns` before a stall to its end (the stamp, or the
+    packet's way into the link, waited for it), and those that arrived during one or within
+    `margin_ns` after it (their delivery fell due while the kernel that releases them did not
+    run). A probe merely in flight across a stall, released after it on time, is not held up:
+    the selection does not depend on a probe's own delay, so what is left speaks for the link.
+    Vectorised; the windows may overlap and come in any order."""
+    held = np.zeros(np.shape(sent_ns), dtype=bool)
     if not len(windows):
-        return np.zeros(sent_ns.shape, dtype=bool)
-    starts, ends = windows[:, 0], windows[:, 1]
-    # The first window ending after the send is the only one that can overlap first.
-    first = np.searchsorted(ends, sent_ns, side="right")
-    inside = first < len(windows)
-    hit = np.zeros(sent_ns.shape, dtype=bool)
-    hit[inside] = starts[first[inside]] < recv_ns[inside]
-    return hit
+        return held
+    windows = windows[np.argsort(windows[:, 0], kind="stable")]
+    starts, ends = windows[:, 0], np.maximum.accumulate(windows[:, 1])
+    for stamps, lead, tail in ((sent_ns, margin_ns, 0), (recv_ns, 0, margin_ns)):
+        # The last window opening at or before a stamp has the latest end of those before it.
+        last = np.searchsorted(starts - lead, stamps, side="right") - 1
+        inside = last >= 0
+        held[inside] |= stamps[inside] <= ends[last[inside]] + tail
+    return held
 
 
 def analyze(train: Train) -> ProbeResult:
@@ -177,7 +190,7 @@ def analyze(train: Train) -> ProbeResult:
     attempted = int(expected.sum())
     bursts = loss_bursts(lost[expected])
     lengths, counts = np.unique(bursts, return_counts=True)
-    timed = ~in_flight_during(train.stalls, sent_ns, recv_ns)
+    timed = ~held_by_stalls(train.stalls, sent_ns, recv_ns)
     delay = (recv_ns[timed] - sent_ns[timed]) / 1e9
     arrivals = seq.size
     corrupt = int((~payload_ok).sum())
@@ -469,7 +482,7 @@ def _delay_checks(configured: LinkProfile, result: ProbeResult,
     fraction f) and packets delayed by delay +- jitter, plus the serialisation at the rate."""
     if result.too_busy:
         trains = f" (in the last of {result.trains} trains)" if result.trains > 1 else ""
-        note = (f"{result.stalled} of {result.arrivals} probes were in flight while the "
+        note = (f"{result.stalled} of {result.arrivals} probes were held up while the "
                 f"sender stalled{trains}: the host was too busy to judge delay; probe again")
         return [
             _skipped("delay mean", "seconds", result.delay_mean, note),

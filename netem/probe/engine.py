@@ -54,8 +54,8 @@ DEFAULT_COUNT = 5000
 END_SPACING = 0.01  # end-of-train markers repeat this often until one arrives
 # The sender not running for this long (a send that returned this late after its stamp, or a
 # wake-up this late after a probe was due) is a stall: on a busy host, or in a guest whose whole
-# kernel the host descheduled, the probes in flight meanwhile may be held up with it, so they
-# are left out of the delay statistics (`stalled` counts them).
+# kernel the host descheduled, the probes stamped in it or due for delivery in it may be held up
+# with it, so they are left out of the delay statistics (`analysis.held_by_stalls`).
 SEND_STALL = 0.001
 LINGER_MARGIN = 0.05  # extra wait after an end marker for probes still held by the link
 
@@ -453,8 +453,8 @@ def probe(
 ) -> ProbeResult:
     """Measure the link from namespace `source` to `address` in namespace `destination` (None:
     this process's namespace): a timed probe train, then, if `rate_duration` > 0, a bulk train
-    for the rate. A timed train that found the host too busy to time it (`too_busy`: the sender
-    stalled while a fifth of the probes were in flight) is sent again, `trains` at most; the
+    for the rate. A timed train that found the host too busy to time it (`too_busy`: stalls of
+    the sender held up all but a few of its probes) is sent again, `trains` at most; the
     result is the last train's, and says how many were sent."""
     if trains < 1:
         raise ProbeError(f"trains: expected at least 1, got {trains}")
