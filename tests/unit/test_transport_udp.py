@@ -46,7 +46,9 @@ from testbed.transport import (
     payload_capacity,
     place,
 )
-from testbed.transport.udp import BURST_FRAMES, BURST_SECONDS, JOINED_LATE, Landing
+from testbed.transport.udp import Landing
+from testbed.transport.udp.pacing import BURST_FRAMES, BURST_SECONDS
+from testbed.transport.udp.replay import JOINED_LATE
 
 RUN = 77
 LOOPBACK = ("127.0.0.1", 0)

@@ -1,44 +1,17 @@
-"""UDP datagrams for the lossy paths: tensors cut into MTU-sized chunks, paced, and collected
-per (kind, step, bucket) until everything expected arrived or a deadline passed.
-
-Datagrams move in batches: `sendmmsg` hands a paced run of a tensor's chunks to the kernel in
-one call, `recvmmsg` reads up to a ring's worth at once, and each batch's headers are checked,
-sequenced and routed with numpy (`testbed.transport.mmsg`). A chunk lands where its collector
-said it belongs (a `Sink`: a tensor, or e.g. a running sum) as it is read, so nothing but the
-destination holds its data.
-
-One thread drives an endpoint. Whenever it waits (for pacing tokens while sending, for chunks
-while collecting) it reads its socket, so datagrams from peers that send while this worker does
-are taken in instead of overflowing the kernel's receive buffer. A key is opened (`open`, or
-`collect` itself) before its chunks are due: chunks of keys nobody opened yet wait in the
-endpoint until somebody does; chunks of a key already collected are late: counted, dropped.
-
-Loss is measured from sequence numbers: every (sender incarnation, destination) stream numbers
-its datagrams from 0, so gaps at the receiver are datagrams lost on the way, whatever took them.
-The part the host took (the socket's receive buffer was full) is the kernel's per-socket drop
-count (`SocketCounters.rcvbuf_drops`); the rest was the network.
-
-Nothing a datagram says about itself is taken on its word. Before a datagram reaches a stream,
-a key or a sum, its header has been checked (`wire.rejections`), its source address is the one
-registered for the sender it names (`sources.SourceTable`), and, with the run's key, its MAC
-proves the key (`auth.DatagramMac`); each batch at once, and what fails is counted by reason
-against the peer whose address it came from. docs/transport.md states what this stops.
-"""
+"""The endpoint: this worker's UDP socket, sending tensors to its peers as paced chunks and
+collecting chunks by (kind, step, bucket). The package docstring (`testbed.transport.udp`) says
+how it reads, sequences and routes batches."""
 
 from __future__ import annotations
 
 import dataclasses
 import errno
-import math
 import os
 import secrets
 import select
-import socket
 import time
 from collections import Counter, defaultdict
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Protocol
 
 import numpy as np
 import torch
@@ -48,14 +21,19 @@ from testbed.transport.counters import DatagramCounters, SocketCounters, socket_
 from testbed.transport.errors import TransportError
 from testbed.transport.mmsg import Batch, Outgoing, ReceiveRing, mmsg_calls, sockaddr
 from testbed.transport.sources import SourceTable
-from testbed.transport.tensors import as_bytes, bits, bits_dtype, codec_of, dtype_of
+from testbed.transport.tensors import as_bytes, codec_of
+from testbed.transport.udp.landing import Landing, Sink, chunk_count
+from testbed.transport.udp.pacing import TokenBucket, paced
+from testbed.transport.udp.progress import Progress
+from testbed.transport.udp.reassembly import Collected, Key, OpenKey, ReceivedBatch
+from testbed.transport.udp.replay import StreamTable
+from testbed.transport.udp.sockets import datagram_socket
 from testbed.transport.wire import (
     ACCEPTED,
     ETHERNET_HEADER,
     HEADER_SIZE,
     IPV4_HEADER,
     IPV6_HEADER,
-    ITEMSIZE,
     MAGIC,
     REASONS,
     UDP_HEADER,
@@ -72,362 +50,16 @@ from testbed.transport.wire import (
     rejections,
 )
 
-SO_SNDBUFFORCE, SO_RCVBUFFORCE = 32, 33  # Linux; beyond rmem_max/wmem_max, needs CAP_NET_ADMIN
-# Never fragment (one lost fragment loses the datagram): a datagram too large for the path is
-# refused with EMSGSIZE, so a wrong `mtu` is an error at once instead of silent fragmentation.
-IP_MTU_DISCOVER, IPV6_MTU_DISCOVER, PMTUDISC_DO = 10, 23, 2
 DRAIN_BATCH = 1024  # datagrams read per drain, so a flood cannot hold a deadline hostage
 RING_BYTES = 1 << 20  # the receive ring: this many bytes of slots, 16 to 512 of them
 SEND_BATCH = 256  # datagrams per sendmmsg when unpaced
-# A sender's stream has ended once one of its last chunks came, its last quarter but at most
-# TAIL of them: paced datagrams of one stream arrive in order, so what it still lacks then
-# was lost, not in flight. (Of a stream of a few chunks only the last says so: its first says
-# nothing of whether the others were sent yet.)
-TAIL = 4
-JOINED_LATE = 64  # a stream first seen at this sequence number or beyond was joined late
-# The default pacing burst: how late a wake-up can be and still be caught up (a busy host
-# wakes a sleeper milliseconds late), at most BURST_FRAMES, which a shaper's queue (1000
-# packets in htb's and netem's default) takes whole.
-BURST_SECONDS = 0.02
-BURST_FRAMES = 256
-BATCH_SECONDS = 0.005  # a paced sender hands the kernel this much traffic per call
 # While datagrams keep coming, a collect waits this long before it reads, so one read takes a
 # batch; a wait that found nothing sleeps in poll until something comes.
 NAP_SECONDS = 0.001
-NOWHERE = (-1, -1, -1, -1)  # a sender's progress before any datagram of its
 ANNOUNCE_SECONDS = 0.02  # how often a waiting worker says where it is (`collect(announce=)`)
 # A paced sender reads its socket this often: at 100 Mbit/s a read then takes ~80 datagrams,
 # and even at 1 Gbit/s what comes meanwhile (2 MB of buffer) fits the default receive buffer.
 READ_INTERVAL = 0.01
-
-Key = tuple[int, int, int]  # (kind, step, bucket)
-# The kinds that make up a call's phases, in the order a call goes through them: where a sender
-# got to (its datagrams and its PROGRESS words) is judged by (step, bucket, kind).
-PHASES = (Kind.GRADIENT, Kind.PARAMETER, Kind.CONTROL, Kind.REPAIR)
-
-
-class TokenBucket:
-    """Pacing: `rate` bits/s on average, at most `burst` bytes back to back. Sending more than
-    the bucket holds puts it in debt; the caller waits the returned time off before sending."""
-
-    def __init__(self, rate: float, burst: int, now: float) -> None:
-        if rate <= 0 or burst <= 0:
-            raise ValueError(f"pacing: rate and burst must be positive, got {rate}, {burst}")
-        self.rate = rate / 8
-        self.burst = burst
-        self.tokens = float(burst)
-        self.stamp = now
-
-    def take(self, nbytes: int, now: float) -> float:
-        """Spend `nbytes`; seconds to wait before sending them."""
-        self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate) - nbytes
-        self.stamp = now
-        return max(0.0, -self.tokens / self.rate)
-
-
-@dataclass(frozen=True, slots=True)
-class Chunk:
-    """One received chunk of a tensor: elements index * chunk_numel onwards."""
-
-    sender: int
-    index: int
-    count: int
-    codec: Codec
-    payload: memoryview
-    arrival: float  # time.monotonic() when the endpoint read it
-
-    def values(self) -> torch.Tensor:
-        """The payload as a tensor (a view of the received bytes, no copy)."""
-        if not self.payload:
-            return torch.empty(0, dtype=dtype_of(self.codec))
-        return torch.frombuffer(self.payload, dtype=dtype_of(self.codec))
-
-
-@dataclass
-class Collected:
-    """What `collect` got for one key. `arrived`: per expected sender, a bool per chunk: it
-    came in time (and fit its sink, if it had one). `chunks`: the first copy of each chunk of
-    the senders that had no sink. How many datagrams of this kind came late for keys closed
-    before (a deadline that was too short) since the key was opened, in all and per sender;
-    when the last in-time chunk came (time.monotonic(); None if none did). Per sender that sent
-    any in time: when its first and its last chunk of the key came; per sender none of whose
-    chunks came but that was seen past its part of the key (it sent them: lost): when."""
-
-    chunks: list[Chunk]
-    arrived: dict[int, np.ndarray]
-    late: int
-    last_arrival: float | None
-    late_from: dict[int, int] = dataclasses.field(default_factory=dict)
-    first_arrivals: dict[int, float] = dataclasses.field(default_factory=dict)
-    last_arrivals: dict[int, float] = dataclasses.field(default_factory=dict)
-    reached: dict[int, float] = dataclasses.field(default_factory=dict)
-
-    @property
-    def missing(self) -> set[tuple[int, int]]:
-        """The expected (sender, index) pairs that did not come in time."""
-        return {(sender, index) for sender, came in self.arrived.items()
-                for index in np.flatnonzero(~came).tolist()}
-
-
-class Sink(Protocol):
-    """Where one sender's chunks of an opened key are written as they are read. The endpoint
-    hands it only chunks of a `numel`-element tensor of `codec` that are new: the right count,
-    each chunk's length right, the first copy of each."""
-
-    codec: Codec
-    numel: int
-
-    def land(self, index: np.ndarray, payload: np.ndarray) -> None:
-        """Chunks `index` (distinct); row i of `payload` ((k, chunk_numel), the elements as
-        same-size integers, a view valid for this call only) holds chunk index[i]; the last
-        chunk's row only as far as the tensor goes."""
-
-
-class Landing:
-    """A `Sink` that copies chunks into tensors: chunk i at element i * chunk_numel of the
-    concatenation of `parts` (flat, contiguous, one dtype). With two parts (a shard of the
-    result and a small side buffer), a message sent from two tensors lands without a joined
-    copy on either side."""
-
-    def __init__(self, parts: Sequence[torch.Tensor], chunk_numel: int) -> None:
-        if len({part.dtype for part in parts}) != 1:
-            raise ValueError(f"parts: need one dtype, got {[part.dtype for part in parts]}")
-        self.codec = codec_of(parts[0].dtype)
-        self._n = n = chunk_numel
-        # Per part: its elements, where it starts, the chunks [first, end) wholly inside it as
-        # rows of a grid, and the chunks it shares with a neighbour or that end it short.
-        self._parts: list[tuple[np.ndarray, int, int, int, np.ndarray, list[int]]] = []
-        offset = 0
-        for part in parts:
-            target = bits(part)
-            if target.size:
-                first, end = -(-offset // n), (offset + target.size) // n
-                grid = target[first * n - offset:max(first, end) * n - offset].reshape(-1, n)
-                touched = {offset // n, (offset + target.size - 1) // n}
-                edges = sorted(chunk for chunk in touched if not first <= chunk < end)
-                self._parts.append((target, offset, first, end, grid, edges))
-            offset += target.size
-        self.numel = offset
-
-    def read(self, index: np.ndarray) -> np.ndarray:
-        """Chunks `index` as they stand now, as rows of same-size integers ((k, chunk_numel));
-        what lies past the last part reads as zeros. The inverse of `land`."""
-        n = self._n
-        rows = np.zeros((len(index), n), dtype=self._parts[0][0].dtype if self._parts
-                        else np.int32)
-        for target, offset, first, end, grid, edges in self._parts:
-            inside = (index >= first) & (index < end)
-            if inside.any():
-                rows[inside] = grid[index[inside] - first]
-            for edge in edges:
-                for row in np.flatnonzero(index == edge).tolist():
-                    lo, hi = max(edge * n, offset), min((edge + 1) * n, offset + target.size)
-                    rows[row, lo - edge * n:hi - edge * n] = target[lo - offset:hi - offset]
-        return rows
-
-    def land(self, index: np.ndarray, payload: np.ndarray) -> None:
-        n = self._n
-        for target, offset, first, end, grid, edges in self._parts:
-            inside = (index >= first) & (index < end)
-            if inside.any():
-                grid[index[inside] - first] = payload[inside]
-            for edge in edges:
-                rows = np.flatnonzero(index == edge)
-                if rows.size:
-                    lo, hi = max(edge * n, offset), min((edge + 1) * n, offset + target.size)
-                    target[lo - offset:hi - offset] = payload[rows[0], lo - edge * n:hi - edge * n]
-
-
-def chunk_count(numel: int, chunk_numel: int) -> int:
-    """Chunks of a `numel`-element tensor (an empty one still travels as one empty chunk)."""
-    return max(1, math.ceil(numel / chunk_numel))
-
-
-def place(chunks: Sequence[Chunk], out: torch.Tensor, chunk_numel: int) -> np.ndarray:
-    """Copy chunks into the flat contiguous `out` (chunk i at element i * chunk_numel) in one
-    vectorised scatter. Returns which chunks fit (same codec as `out`, inside it); the others
-    are left out, since their numbers came from the network."""
-    target = bits(out)
-    n = len(chunks)
-    index = np.fromiter((c.index for c in chunks), np.int64, n)
-    numel = np.fromiter((len(c.payload) for c in chunks), np.int64, n) // out.element_size()
-    codec = np.fromiter((c.codec for c in chunks), np.int64, n)
-    start = index * chunk_numel
-    fits = (codec == codec_of(out.dtype)) & (numel <= chunk_numel) & (start + numel <= target.size)
-    chosen = np.flatnonzero(fits)
-    joined = b"".join([chunks[i].payload for i in chosen.tolist()])
-    values = np.frombuffer(joined, dtype=target.dtype)
-    lengths = numel[chosen]
-    # value k belongs to the chunk whose run of values holds k: its start plus k's place in it
-    shift = np.repeat(start[chosen] - (np.cumsum(lengths) - lengths), lengths)
-    target[shift + np.arange(values.size)] = values
-    return fits
-
-
-@dataclass
-class _Batch:
-    """Datagrams that passed the header checks: row i of `rows` holds datagram i from its
-    header on, row i of `headers` its header (NATIVE_HEADER_DTYPE), `arrival` when each was
-    read."""
-
-    rows: np.ndarray  # (k, stride) uint8
-    headers: np.ndarray
-    arrival: np.ndarray  # float64, time.monotonic()
-
-    def __getitem__(self, field: str) -> np.ndarray:
-        return self.headers[field]
-
-    def take(self, which: np.ndarray) -> _Batch:
-        """The datagrams `which` picks (a bool mask or indexes), rows copied."""
-        return _Batch(self.rows[which], self.headers[which], self.arrival[which])
-
-    def __len__(self) -> int:
-        return len(self.headers)
-
-
-def _increasing(values: np.ndarray) -> bool:
-    """Each value above the one before it: a stream's run in order, the common case."""
-    return len(values) < 2 or bool((values[1:] > values[:-1]).all())
-
-
-def _first_copies(values: np.ndarray) -> np.ndarray:
-    """A bool per element: no element before it has its value."""
-    if _increasing(values):
-        return np.ones(len(values), dtype=bool)
-    first = np.zeros(len(values), dtype=bool)
-    first[np.unique(values, return_index=True)[1]] = True
-    return first
-
-
-class _Stream:
-    """The sequence numbers one sender incarnation's stream delivered: the highest, and which
-    of the `window` up to it came (a ring: number s in slot s % window). Anything already seen
-    or older than the window is a replay. `step`: the furthest step it delivered."""
-
-    __slots__ = ("base", "highest", "incarnation", "received", "ring", "step", "window")
-
-    def __init__(self, incarnation: int, first: int, window: int, step: int) -> None:
-        self.incarnation = incarnation
-        self.window = window
-        self.step = step
-        # Streams start at 0; one first seen at JOINED_LATE or beyond was joined late (this
-        # endpoint restarted while its peers went on), and counting from 0 would call everything
-        # before it lost. (A fresh stream whose first JOINED_LATE datagrams were all lost is
-        # counted from its first arrival instead: at most that many uncounted.)
-        self.base = first if first >= JOINED_LATE else 0
-        self.highest = first  # the first datagram, which made the stream, is received
-        self.ring = np.zeros(window, dtype=bool)
-        self.ring[first % window] = True
-        self.received = 1
-
-    def accept(self, seqs: np.ndarray) -> np.ndarray:
-        """Which of `seqs` (uint64, in arrival order) are new; the stream takes them in."""
-        window, highest = self.window, np.uint64(self.highest)
-        if seqs[0] > highest and _increasing(seqs):  # a run beyond everything seen
-            took = np.ones(len(seqs), dtype=bool)
-        else:
-            before = np.empty_like(seqs)  # the highest seen before each one
-            before[0] = highest
-            before[1:] = seqs[:-1]
-            np.maximum.accumulate(before, out=before)
-            new = seqs > before
-            # below the highest: new only within the window, from the stream's start on, not
-            # seen before this batch (in the ring), and not earlier in it
-            below = ~new & (before - seqs < window) & (seqs >= self.base) & _first_copies(seqs)
-            below[below] = ~((seqs[below] <= highest) & self.ring[seqs[below] % window])
-            took = new | below
-        top = max(self.highest, int(seqs.max()))
-        advance = top - self.highest
-        if advance >= window:
-            self.ring[:] = False
-        elif advance:
-            start = (self.highest + 1) % window
-            self.ring[start:start + advance] = False
-            self.ring[:max(0, start + advance - window)] = False
-        self.ring[seqs[took & (np.uint64(top) - seqs < window)] % window] = True
-        self.highest = top
-        self.received += int(took.sum())
-        return took
-
-    @property
-    def lost(self) -> int:
-        return self.highest + 1 - self.base - self.received
-
-
-class _Open:
-    """An opened key: where each sender's chunks go, and what came so far."""
-
-    def __init__(self, expected: Mapping[int, int], sinks: Mapping[int, Sink],
-                 late_before: Counter[int], present: Mapping[int, np.ndarray]) -> None:
-        self.arrived = {sender: np.zeros(count, dtype=bool) for sender, count in expected.items()}
-        for sender, here in present.items():  # chunks in hand already: not owed
-            self.arrived[sender] |= here
-        # per sender, how many of its chunks have not come
-        self.owed = {sender: count - int(self.arrived[sender].sum())
-                     for sender, count in expected.items()}
-        self.sinks = dict(sinks)
-        self.chunks: dict[tuple[int, int], Chunk] = {}  # of senders without a sink
-        self.first: dict[int, float] = {}  # per sender, when its first chunk of the key came
-        self.last: dict[int, float] = {}  # per sender, when its latest chunk of the key came
-        self.ended: set[int] = set()  # senders whose stream reached its tail
-        # per sender without a chunk yet, when it was first seen past its part of the key:
-        # it sent it, so what has not come was lost (or is still on its way)
-        self.reached: dict[int, float] = {}
-        self.newest: float | None = None  # when the newest chunk came
-        self.late_before = late_before  # datagrams of this kind late per sender, when opened
-
-    def deliver(self, sender: int, batch: _Batch, chunk_numel: Mapping[int, int]) -> None:
-        """Take in a batch of this key's datagrams from `sender`: into its sink, or kept."""
-        sink = self.sinks.get(sender)
-        if sink is None:
-            fit = np.ones(len(batch), dtype=bool)
-            self._keep(sender, batch)
-        else:
-            fit = self._land(sender, sink, batch, chunk_numel[sink.codec])
-            if not fit.all():
-                batch = batch.take(fit)
-        if not len(batch):
-            return
-        self.first.setdefault(sender, float(batch.arrival[0]))
-        self.last[sender] = float(batch.arrival[-1])
-        self.newest = max(self.newest or -math.inf, float(batch.arrival[-1]))
-        chunks = batch["chunks"].astype(np.int64)
-        if (chunks - batch["chunk"] <= np.clip(chunks // 4, 1, TAIL)).any():
-            self.ended.add(sender)
-
-    def _land(self, sender: int, sink: Sink, batch: _Batch, n: int) -> np.ndarray:
-        """Hand the sink the new chunks that fit it; which datagrams fit."""
-        itemsize = ITEMSIZE[sink.codec]
-        count = chunk_count(sink.numel, n)
-        chunk = batch["chunk"]
-        expected = np.where(chunk == count - 1, sink.numel - (count - 1) * n, n)
-        fit = ((batch["codec"] == sink.codec) & (batch["chunks"] == count)
-               & (batch["payload_len"] == expected * itemsize))
-        index = chunk[fit].astype(np.int64)
-        arrived = self.arrived[sender]
-        new = ~arrived[index] & _first_copies(index)
-        if new.any():
-            rows = batch.rows[np.flatnonzero(fit)[new], HEADER_SIZE:HEADER_SIZE + n * itemsize]
-            sink.land(index[new], rows.view(bits_dtype(itemsize)))
-            arrived[index[new]] = True
-            self.owed[sender] -= int(new.sum())
-        return fit
-
-    def _keep(self, sender: int, batch: _Batch) -> None:
-        """Keep the first copy of each chunk of a sender without a sink (tests, small keys)."""
-        arrived = self.arrived.get(sender)
-        for row, index, count, codec, size, arrival in zip(
-            batch.rows, batch["chunk"].tolist(), batch["chunks"].tolist(),
-            batch["codec"].tolist(), batch["payload_len"].tolist(), batch.arrival.tolist(),
-            strict=True,
-        ):
-            if (sender, index) in self.chunks:
-                continue
-            payload = memoryview(bytearray(row[HEADER_SIZE:HEADER_SIZE + size]))
-            self.chunks[sender, index] = Chunk(sender, index, count, Codec(codec), payload, arrival)
-            if arrived is not None and index < len(arrived):
-                arrived[index] = True
-                self.owed[sender] -= 1
 
 
 class DatagramEndpoint:
@@ -461,7 +93,7 @@ class DatagramEndpoint:
     ) -> None:
         mmsg_calls()  # a clear TransportError here where the C library lacks them
         ipv6 = ":" in address[0]
-        self.rank, self.run_id, self.mtu, self._ipv6 = rank, run_id, mtu, ipv6
+        self.rank, self.run_id, self.mtu = rank, run_id, mtu
         self._mac = None if key is None else DatagramMac(key)
         self.trailer = 0 if key is None else MAC_SIZE  # MAC bytes after each payload
         self.capacity = payload_capacity(mtu, ipv6=ipv6, trailer=self.trailer)
@@ -470,25 +102,15 @@ class DatagramEndpoint:
         self.incarnation = secrets.randbits(32)
         self.replay_window, self.history_steps = replay_window, history_steps
         self._frame_overhead = ETHERNET_HEADER + (IPV6_HEADER if ipv6 else IPV4_HEADER) + UDP_HEADER
-        self._bucket = None
+        self._bucket: TokenBucket | None = None
         self._send_batch = SEND_BATCH
         if rate is not None:
             frame = HEADER_SIZE + self.capacity + self.trailer + self._frame_overhead
-            burst = burst or max(4 * frame, min(int(rate / 8 * BURST_SECONDS),
-                                                BURST_FRAMES * frame))
-            self._bucket = TokenBucket(rate, burst, time.monotonic())
-            self._send_batch = max(1, min(burst, int(rate / 8 * BATCH_SECONDS)) // frame)
-        self._sock = socket.socket(socket.AF_INET6 if ipv6 else socket.AF_INET, socket.SOCK_DGRAM)
+            self._bucket, self._send_batch = paced(rate, burst, frame, time.monotonic())
         try:
-            self.rcvbuf_bytes = _buffer(self._sock, socket.SO_RCVBUF, SO_RCVBUFFORCE, rcvbuf)
-            self.sndbuf_bytes = _buffer(self._sock, socket.SO_SNDBUF, SO_SNDBUFFORCE, sndbuf)
-            if ipv6:
-                self._sock.setsockopt(socket.IPPROTO_IPV6, IPV6_MTU_DISCOVER, PMTUDISC_DO)
-            else:
-                self._sock.setsockopt(socket.IPPROTO_IP, IP_MTU_DISCOVER, PMTUDISC_DO)
-            self._sock.bind(address)
+            self._sock, self.rcvbuf_bytes, self.sndbuf_bytes = datagram_socket(
+                address, ipv6=ipv6, rcvbuf=rcvbuf, sndbuf=sndbuf)
         except OSError as exc:
-            self._sock.close()
             where = f"rank {rank}: UDP endpoint on {address[0]}:{address[1]}"
             raise TransportError(f"{where}: {exc.strerror}") from None
         self.address: tuple[str, int] = self._sock.getsockname()[:2]
@@ -504,18 +126,13 @@ class DatagramEndpoint:
         self._sources = SourceTable(ipv6=ipv6)
         self._next_seq: dict[int, int] = defaultdict(int)
         self._counters: dict[int, DatagramCounters] = defaultdict(DatagramCounters)
-        self._streams: dict[int, _Stream] = {}
-        self._retired: dict[int, set[int]] = defaultdict(set)
-        self._lost_before: Counter[int] = Counter()
+        self._streams = StreamTable(replay_window)
         self._rejected: Counter[Reason] = Counter()
         self._receive_errors = 0
         self._rcvbuf_drops = 0
-        self._waiting: dict[Key, list[_Batch]] = {}  # datagrams of keys nobody opened yet
-        self._open: dict[Key, _Open] = {}
-        # per sender, the furthest (step, bucket, kind, done) of its GRADIENT or PARAMETER
-        # datagrams (done 0: it was sending that part) or PROGRESS ones (done 1: it had sent
-        # it): where it got to
-        self._progress: dict[int, tuple[int, int, int, int]] = {}
+        self._waiting: dict[Key, list[ReceivedBatch]] = {}  # datagrams of keys nobody opened yet
+        self._open: dict[Key, OpenKey] = {}
+        self._progress = Progress()  # where each sender got to
         self._closed: set[Key] = set()
         self._closed_below = 0  # every step below this is closed
         self._late: Counter[tuple[int, int]] = Counter()  # per (kind, sender)
@@ -677,7 +294,7 @@ class DatagramEndpoint:
             sinks[sender] = target
         late_before = Counter({sender: count for (kind_, sender), count in self._late.items()
                                if kind_ == key[0]})
-        state = self._open[key] = _Open(expected, sinks, late_before, present or {})
+        state = self._open[key] = OpenKey(expected, sinks, late_before, present or {})
         now = time.monotonic()
         for sender in expected:
             self._note_reached(state, key, sender, now)
@@ -738,7 +355,7 @@ class DatagramEndpoint:
                 if announce and now >= heard:
                     self.announce(kind, step, bucket, list(state.owed))
                     heard = now + ANNOUNCE_SECONDS
-                limits = self._limits(state, deadline, transfer, start_by or {}, now)
+                limits = state.limits(deadline, transfer, start_by or {}, now)
                 if not limits:
                     break
                 until = max(limits.values())
@@ -752,19 +369,7 @@ class DatagramEndpoint:
                 self._wait(until - now)
         finally:
             self.close_key(kind, step, bucket)
-        late_from = {sender: count - state.late_before[sender]
-                     for (kind_, sender), count in self._late.items()
-                     if kind_ == key[0] and count > state.late_before[sender]}
-        return Collected(
-            chunks=list(state.chunks.values()),
-            arrived=state.arrived,
-            late=sum(late_from.values()),
-            last_arrival=state.newest,
-            late_from=late_from,
-            first_arrivals=state.first,
-            last_arrivals=state.last,
-            reached=state.reached,
-        )
+        return state.collected(key[0], self._late)
 
     def close_key(self, kind: Kind, step: int, bucket: int) -> None:
         """Stop receiving (kind, step, bucket), opened or not: what comes for it is late."""
@@ -772,23 +377,6 @@ class DatagramEndpoint:
         self._open.pop(key, None)
         self._waiting.pop(key, None)
         self._close(key)
-
-    @staticmethod
-    def _limits(state: _Open, deadline: float, transfer: float | None,
-                start_by: Mapping[int, float], now: float) -> dict[int, float]:
-        """The senders that still owe chunks and are within their limit, with that limit."""
-        limits = {}
-        for sender, owed in state.owed.items():
-            if owed <= 0:
-                continue
-            limit = deadline
-            if transfer is not None:
-                first = state.first.get(sender, state.reached.get(sender))
-                limit = min(deadline, first + transfer if first is not None
-                            else start_by.get(sender, deadline))
-            if limit > now:
-                limits[sender] = limit
-        return limits
 
     def poll(self, timeout: float = 0.0) -> None:
         """Read what is queued, waiting up to `timeout` seconds for something to come."""
@@ -799,8 +387,7 @@ class DatagramEndpoint:
         snapshot = {}
         for peer in sorted(self._counters):
             counters = dataclasses.replace(self._counters[peer])
-            stream = self._streams.get(peer)
-            counters.datagrams_lost = self._lost_before[peer] + (stream.lost if stream else 0)
+            counters.datagrams_lost = self._streams.lost(peer)
             snapshot[peer] = counters
         return snapshot
 
@@ -878,7 +465,7 @@ class DatagramEndpoint:
             self._reject(names[~ok], codes[~ok])
         if not ok.any():
             return
-        batch = _Batch(rows, headers, np.full(len(rows), now))
+        batch = ReceivedBatch(rows, headers, np.full(len(rows), now))
         if not ok.all():
             batch = batch.take(ok)
         senders = batch["sender"]
@@ -888,38 +475,10 @@ class DatagramEndpoint:
         for sender in np.unique(senders).tolist():
             self._take(sender, batch.take(senders == sender))
 
-    def _take(self, sender: int, batch: _Batch) -> None:
+    def _take(self, sender: int, batch: ReceivedBatch) -> None:
         """Datagrams from one sender, in arrival order: replays dropped (counted), the rest
         counted and routed."""
-        took = np.zeros(len(batch), dtype=bool)
-        # runs of one incarnation, in order: a new one retires the stream before it
-        incarnations, seqs, steps = batch["incarnation"], batch["seq"], batch["step"]
-        runs = np.flatnonzero(incarnations[1:] != incarnations[:-1]) + 1
-        for first, end in zip([0, *runs.tolist()], [*runs.tolist(), len(batch)], strict=True):
-            stream, start = self._streams.get(sender), first
-            incarnation = int(incarnations[start])
-            if stream is None or stream.incarnation != incarnation:
-                if incarnation in self._retired[sender]:
-                    continue
-                if stream is not None:
-                    # A restarted sender goes on from the live step: datagrams of an unknown
-                    # incarnation whose step is behind the stream's are a recording of an
-                    # earlier one, replayed (with the run's key they still carry a valid MAC),
-                    # and retire nothing; the first that is not behind starts the new stream.
-                    behind = steps[start:end] < stream.step
-                    if behind.all():
-                        continue
-                    start += int(behind.argmin())
-                    self._retired[sender].add(stream.incarnation)
-                    self._lost_before[sender] += stream.lost
-                stream = self._streams[sender] = _Stream(incarnation, int(seqs[start]),
-                                                         self.replay_window, int(steps[start]))
-                took[start] = True
-                start += 1
-            if start < end:
-                took[start:end] = stream.accept(seqs[start:end])
-            if took[first:end].any():
-                stream.step = max(stream.step, int(steps[first:end][took[first:end]].max()))
+        took = self._streams.accept(sender, batch["incarnation"], batch["seq"], batch["step"])
         kept = int(took.sum())
         if kept < len(batch):
             self._counters[sender].datagrams_replayed += len(batch) - kept
@@ -937,32 +496,21 @@ class DatagramEndpoint:
             if len(batch):
                 self._route(sender, batch)
 
-    def _advance(self, sender: int, batch: _Batch, progress: np.ndarray) -> None:
-        """Where `sender` got to, from its datagrams' keys (a PROGRESS datagram's kind is its
-        payload byte); each opened key it is now past or at notes that (`_Open.reached`)."""
-        kinds = np.where(progress, batch.rows[:, HEADER_SIZE] if progress.any() else 0,
-                         batch["kind"])
-        phase = np.isin(kinds, PHASES)
-        if not phase.any():
+    def _advance(self, sender: int, batch: ReceivedBatch, progress: np.ndarray) -> None:
+        """Where `sender` got to, from its datagrams' keys (`Progress.advance`); each opened
+        key it is now past or at notes that (`OpenKey.reached`)."""
+        if not self._progress.advance(sender, batch, progress):
             return
-        steps, buckets, kinds = batch["step"][phase], batch["bucket"][phase], kinds[phase]
-        done = progress[phase]
-        last = np.lexsort((done, kinds, buckets, steps))[-1]
-        furthest = (int(steps[last]), int(buckets[last]), int(kinds[last]), int(done[last]))
-        if furthest <= self._progress.get(sender, NOWHERE):
-            return
-        self._progress[sender] = furthest
         now = float(batch.arrival[-1])
         for key, state in self._open.items():
             self._note_reached(state, key, sender, now)
 
-    def _note_reached(self, state: _Open, key: Key, sender: int, now: float) -> None:
+    def _note_reached(self, state: OpenKey, key: Key, sender: int, now: float) -> None:
         """If `sender` is past its part of `key` (it said so, or sent a later key's), its
         stream has ended, even if the chunks that would say so (its tail) were lost; what
         is still in flight is ahead of that word on the same path. With none of its chunks
         here yet, from now its stream is waited for as if it had begun."""
-        if (sender not in state.owed
-                or self._progress.get(sender, NOWHERE) < (key[1], key[2], key[0], 1)):
+        if sender not in state.owed or not self._progress.past(sender, key):
             return
         state.ended.add(sender)
         if sender not in state.first:
@@ -974,7 +522,7 @@ class DatagramEndpoint:
         self.send_tensors(Kind.PROGRESS, step, bucket,
                           dict.fromkeys(peers, np.array([int(kind)], dtype=np.uint8)))
 
-    def _route(self, sender: int, batch: _Batch) -> None:
+    def _route(self, sender: int, batch: ReceivedBatch) -> None:
         """Each datagram to its opened key, to the keys waiting to be opened, or late."""
         rest = np.ones(len(batch), dtype=bool)
         for (kind, step, bucket), state in self._open.items():
@@ -1043,16 +591,3 @@ class DatagramEndpoint:
             time.sleep(min(until, self._read_due) - now)
             now = time.monotonic()
 
-
-def _buffer(sock: socket.socket, option: int, force: int, size: int) -> int:
-    """Ask for a socket buffer (forced past the sysctl limit if allowed); what was granted."""
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, force, size)
-    except PermissionError:
-        sock.setsockopt(socket.SOL_SOCKET, option, size)
-    return sock.getsockopt(socket.SOL_SOCKET, option)
-
-
-def expected_chunks(senders: Collection[int], numel: int, chunk_numel: int) -> dict[int, int]:
-    """The chunk count of a `numel`-element tensor, per sender: `collect`'s `expected`."""
-    return dict.fromkeys(senders, chunk_count(numel, chunk_numel))
