@@ -1,65 +1,119 @@
 """Parsing of the human units that link profiles are written in ("10ms", "5%", "100mbit").
 
-Every parser accepts either a number in base units (seconds, a 0..1 fraction, bits per second)
-or a string with a unit, and raises ``ValueError`` with a message that says what is allowed.
-Human input of a link's times and rates asks for the unit (`unit_required`): a bare `delay: 5`
-would be 5 seconds where 5 ms was meant, a bare `rate: 100` 100 bit/s; only 0 needs none.
+Every parser accepts either a number in base units (seconds, a 0..1 fraction, bits per second,
+bytes) or a string with a unit, and raises ``ValueError`` with a message that says what is
+allowed. Human input of a link's times and rates asks for the unit (`unit_required`): a bare
+`delay: 5` would be 5 seconds where 5 ms was meant, a bare `rate: 100` 100 bit/s; only 0 needs
+none.
+
+One grammar serves every quantity: a number (digits, an optional point, an optional exponent;
+no sign, so a leading '-' is refused as negative) and a unit of the quantity's table, in any
+case. The parsers read strings with it, and `pattern` writes it as the regular expression a
+JSON Schema checks the same strings with.
 """
 
 from __future__ import annotations
 
 import math
 import re
+from collections.abc import Mapping
+from dataclasses import dataclass
 
-_NUMBER = r"(-?[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)"
+_EXPONENT = r"(?:[eE][-+]?[0-9]+)?"
+_NUMBER = r"[0-9]*\.?[0-9]+" + _EXPONENT
+# The numbers of `_NUMBER` that are zero, and the others.
+_ZERO = r"0*\.?0+" + _EXPONENT
+_POSITIVE = r"(?:[0-9]*[1-9][0-9]*(?:\.[0-9]+)?|[0-9]*\.[0-9]*[1-9][0-9]*)" + _EXPONENT
+# The numbers of `_NUMBER` from 0 to 1 and from 0 to 100, without an exponent: a range of
+# numbers with one is beyond a regular expression (the parser takes '1e-2' all the same).
+_UP_TO_ONE = r"0*(?:1(?:\.0+)?|0?\.[0-9]+|0)"
+_UP_TO_HUNDRED = r"0*(?:100(?:\.0+)?|[0-9]{1,2}(?:\.[0-9]+)?|\.[0-9]+)"
 
-_TIME_UNITS = {
-    "": 1.0,
-    "s": 1.0,
-    "sec": 1.0,
-    "ms": 1e-3,
-    "msec": 1e-3,
-    "us": 1e-6,
-    "usec": 1e-6,
-    "ns": 1e-9,
-    "nsec": 1e-9,
-}
-_RATE_UNITS = {
-    "": 1,
-    "bit": 1,
-    "bps": 8,
-    "kbit": 10**3,
-    "mbit": 10**6,
-    "gbit": 10**9,
-    "tbit": 10**12,
-    "kbps": 8 * 10**3,
-    "mbps": 8 * 10**6,
-    "gbps": 8 * 10**9,
-}
-_SIZE_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 10**3,
-    "kb": 10**3,
-    "m": 10**6,
-    "mb": 10**6,
-    "g": 10**9,
-    "gb": 10**9,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-}
 TIME_HELP = "a duration such as '10ms', '1.5s', '250us' or a number of seconds"
 FRACTION_HELP = "a percentage such as '5%' or a fraction between 0 and 1"
 RATE_HELP = "a rate such as '100mbit', '1gbit', '500kbit' (bits/s) or '10mbps' (bytes/s)"
 SIZE_HELP = "a size such as '20MB', '512kB', '1MiB' or a number of bytes"
 
 
-def _split(text: str, units: dict, help_text: str) -> tuple[float, str]:
-    match = re.fullmatch(_NUMBER + r"\s*([a-zA-Z%]*)", text.strip())
-    if not match or match.group(2).lower() not in units:
-        raise ValueError(f"expected {help_text}, got {text!r}")
-    return _finite(float(match.group(1)), text, help_text), match.group(2).lower()
+@dataclass(frozen=True)
+class Quantity:
+    """A kind of value: its units (lower case, each the base units it is worth; '' the base
+    unit itself), what is allowed, and how a message asks for a unit."""
+
+    units: Mapping[str, float]
+    help: str
+    bound: str  # what the range check says, after `help`
+    positive: bool = False  # 0 refused too
+    maximum: float | None = None
+    base: str = ""  # what a bare number is
+    suggested: tuple[str, ...] = ()  # units a message that asks for one offers
+
+    def unit_pattern(self, *, required: bool = False) -> str:
+        """Any of the units in any case ('ms', 'MS', 'Ms'), the longest first; optional where a
+        bare number is in the base unit, unless `required`."""
+        units = sorted((unit for unit in self.units if unit), key=len, reverse=True)
+        choice = "|".join(
+            "".join(f"[{c.lower()}{c.upper()}]" if c.isalpha() else re.escape(c) for c in unit)
+            for unit in units)
+        return f"(?:{choice})" + ("" if required or "" not in self.units else "?")
+
+
+QUANTITIES = {
+    "time": Quantity(
+        {"": 1.0, "s": 1.0, "sec": 1.0, "ms": 1e-3, "msec": 1e-3, "us": 1e-6, "usec": 1e-6,
+         "ns": 1e-9, "nsec": 1e-9},
+        TIME_HELP, " (not negative)", base="seconds", suggested=("ms", "s")),
+    "fraction": Quantity({"": 1.0, "%": 0.01}, FRACTION_HELP, "", maximum=1),
+    "rate": Quantity(
+        {"": 1, "bit": 1, "bps": 8, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9,
+         "tbit": 10**12, "kbps": 8 * 10**3, "mbps": 8 * 10**6, "gbps": 8 * 10**9},
+        RATE_HELP, " (greater than zero)", positive=True, base="bits/s",
+        suggested=("mbit", "kbit")),
+    "size": Quantity(
+        {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
+         "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30},
+        SIZE_HELP, " (not negative)", base="bytes", suggested=("MB", "kB")),
+}
+
+
+def pattern(kind: str, *, unit_required: bool = False, positive: bool = False) -> str:
+    """The regular expression (JSON Schema's dialect, which Python's `re` shares here) of the
+    strings the parser of `kind` (a key of `QUANTITIES`) takes: with `unit_required`, only with
+    a unit (but 0); with `positive` (or a quantity that refuses 0), not 0 either."""
+    quantity = QUANTITIES[kind]
+    positive = positive or quantity.positive
+    if quantity.maximum is not None:
+        if positive or unit_required:
+            raise ValueError(f"{kind}: a pattern of its whole range only (0 too, no unit needed)")
+        body = rf"{_UP_TO_HUNDRED}\s*%|{_UP_TO_ONE}"
+    else:
+        units = quantity.unit_pattern(required=unit_required)
+        body = rf"{_POSITIVE if positive else _NUMBER}\s*{units}"
+        if unit_required and not positive:
+            body += f"|{_ZERO}"
+    return rf"^\s*(?:{body})\s*$"
+
+
+def _parse_quantity(value: object, quantity: Quantity, *, unit_required: bool = False) -> float:
+    """`value` (a number in base units, or a string: a number and a unit) in base units."""
+    number = _number(value, quantity.help)
+    unit = ""
+    if number is None:
+        match = re.fullmatch(rf"(-?{_NUMBER})\s*({quantity.unit_pattern()})", str(value).strip())
+        if not match:
+            raise ValueError(f"expected {quantity.help}, got {value!r}")
+        unit = match.group(2).lower()
+        number = _finite(float(match.group(1)) * quantity.units[unit], value, quantity.help)
+    if unit_required and not unit and number != 0:
+        bare = str(value).strip()
+        offered = " or ".join(f"'{bare}{suggested}'" for suggested in quantity.suggested)
+        raise ValueError(f"{value!r} has no unit: write {offered} (a bare number would be "
+                         f"{quantity.base})")
+    signed = isinstance(value, str) and value.lstrip().startswith("-")  # even '-0'
+    if (number < 0 or signed or (quantity.positive and number == 0)
+            or (quantity.maximum is not None and number > quantity.maximum)):
+        raise ValueError(f"expected {quantity.help}{quantity.bound}, got {value!r}")
+    return number
 
 
 def _finite(number: float, value: object, help_text: str) -> float:
@@ -83,68 +137,24 @@ def _number(value: object, help_text: str) -> float | None:
 def parse_time(value: object, *, unit_required: bool = False) -> float:
     """Seconds from '10ms', '1.5s', '250us', '3ns' or a number of seconds (with
     `unit_required`, only from a string with its unit, or 0)."""
-    number = _number(value, TIME_HELP)
-    unit = ""
-    if number is None:
-        magnitude, unit = _split(str(value), _TIME_UNITS, TIME_HELP)
-        number = magnitude * _TIME_UNITS[unit]
-    if unit_required and not unit and number != 0:
-        raise ValueError(f"{value!r} has no unit: write '{_bare(value)}ms' or '{_bare(value)}s' "
-                         "(a bare number would be seconds)")
-    if number < 0:
-        raise ValueError(f"expected {TIME_HELP} (not negative), got {value!r}")
-    return number
+    return _parse_quantity(value, QUANTITIES["time"], unit_required=unit_required)
 
 
 def parse_fraction(value: object) -> float:
     """A probability 0..1 from '5%', '0.5%' or a fraction such as 0.05."""
-    number = _number(value, FRACTION_HELP)
-    if number is None:
-        text = str(value).strip()
-        if text.endswith("%"):
-            magnitude, _ = _split(text[:-1], {"": 1}, FRACTION_HELP)
-            number = magnitude / 100.0
-        else:
-            number, _ = _split(text, {"": 1}, FRACTION_HELP)
-    if not 0.0 <= number <= 1.0:
-        raise ValueError(f"expected {FRACTION_HELP}, got {value!r}")
-    return number
+    return _parse_quantity(value, QUANTITIES["fraction"])
 
 
 def parse_rate(value: object, *, unit_required: bool = False) -> int:
     """Bits per second from '100mbit', '1gbit', '10mbps' (bytes) or a number of bits/s (with
     `unit_required`, only from a string with its unit)."""
-    number = _number(value, RATE_HELP)
-    unit = ""
-    if number is None:
-        magnitude, unit = _split(str(value), _RATE_UNITS, RATE_HELP)
-        number = magnitude * _RATE_UNITS[unit]
-    if unit_required and not unit and number != 0:
-        raise ValueError(f"{value!r} has no unit: write '{_bare(value)}mbit' or "
-                         f"'{_bare(value)}kbit' (a bare number would be bits/s)")
-    if number <= 0:
-        raise ValueError(f"expected {RATE_HELP} (greater than zero), got {value!r}")
-    return round(number)
-
-
-def _bare(value: object) -> str:
-    return str(value).strip()
+    return round(_parse_quantity(value, QUANTITIES["rate"], unit_required=unit_required))
 
 
 def parse_size(value: object, *, unit_required: bool = False) -> int:
     """Bytes from '20MB', '512kB' (powers of 1000), '1MiB' (powers of 1024) or a number (with
     `unit_required`, only from a string with its unit, or 0)."""
-    number = _number(value, SIZE_HELP)
-    unit = ""
-    if number is None:
-        magnitude, unit = _split(str(value), _SIZE_UNITS, SIZE_HELP)
-        number = magnitude * _SIZE_UNITS[unit]
-    if unit_required and not unit and number != 0:
-        raise ValueError(f"{value!r} has no unit: write '{_bare(value)}MB' or "
-                         f"'{_bare(value)}kB' (a bare number would be bytes)")
-    if number < 0:
-        raise ValueError(f"expected {SIZE_HELP} (not negative), got {value!r}")
-    return round(number)
+    return round(_parse_quantity(value, QUANTITIES["size"], unit_required=unit_required))
 
 
 def format_size(size: int) -> str:

@@ -164,7 +164,7 @@ def variables() -> list[dict[str, Any]]:
 
 FAULTS = "testbed_fault_event_timestamp_seconds"
 ANNOTATION_STEP = "2s"  # the scrape interval of the provisioned datasource (timeInterval)
-# Each annotation marks some of the timeline's actions (testbed.scenario.model.ACTIONS, and
+# Each annotation marks some of the timeline's actions (testbed.scenario.timeline.ACTIONS, and
 # ramp_step, a ramp's later updates): name, colour, actions.
 FAULT_ANNOTATIONS = (
     ("Link changes", "orange", ("set_link", "ramp_link", "ramp_step", "partition", "heal")),

@@ -24,7 +24,7 @@ from typing import Any
 from netem.profile import LinkProfile
 from testbed.cluster.shaped import ShapedNetwork
 from testbed.scenario.links import Pair
-from testbed.scenario.model import Event, RampLink
+from testbed.scenario.timeline import Event, RampLink
 
 MAX_WAIT = 0.5  # the scheduler looks at the clock at least this often (seconds)
 

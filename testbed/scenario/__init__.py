@@ -2,6 +2,7 @@
 metrics); `load_scenario` validates it into a `Scenario` or raises one `ScenarioError` listing
 every bad field with its path, line and what is allowed (docs/scenarios.md)."""
 
+from testbed.scenario.collective import COLLECTIVES
 from testbed.scenario.links import CUT, LinkState, partition_pairs
 from testbed.scenario.load import (
     Problem,
@@ -10,23 +11,11 @@ from testbed.scenario.load import (
     load_scenario,
     scenario_files,
 )
-from testbed.scenario.model import (
-    ACTIONS,
-    COLLECTIVES,
-    Event,
-    Link,
-    RampLink,
-    Scenario,
-    Selector,
-    SetLink,
-    StragglerBurst,
-    Topology,
-    WorkerOverride,
-    Workers,
-    json_schema,
-    patch_profile,
-    resolve_link,
-)
+from testbed.scenario.model import Scenario
+from testbed.scenario.schema import json_schema
+from testbed.scenario.sections import WorkerOverride, Workers
+from testbed.scenario.timeline import ACTIONS, Event, RampLink, SetLink, StragglerBurst
+from testbed.scenario.topology import Link, Selector, Topology, patch_profile, resolve_link
 
 __all__ = [
     "ACTIONS",

@@ -13,17 +13,10 @@ from pydantic import BaseModel, ValidationError
 
 from netem.profile import HUMAN
 from testbed.collectives.registry import kinds
-from testbed.scenario.model import (
-    COLLECTIVES,
-    COMMAND_JOB,
-    TRAINING_JOB,
-    CommandJob,
-    Loc,
-    Problems,
-    Scenario,
-    _job_kind,
-    dotted,
-)
+from testbed.scenario.collective import COLLECTIVES
+from testbed.scenario.fields import Loc, Problems, dotted
+from testbed.scenario.model import Scenario
+from testbed.scenario.sections import COMMAND_JOB, TRAINING_JOB, CommandJob, job_kind
 from testbed.train.config import TrainConfig
 
 SHIPPED = Path(__file__).resolve().parents[2] / "compose" / "scenarios"
@@ -256,7 +249,7 @@ def _model_in(annotation: Any, value: Any) -> Any:
     if len(members) > 1 and isinstance(value, dict) and value.get("kind") in COLLECTIVES:
         return COLLECTIVES[value["kind"]]
     if CommandJob in members and isinstance(value, dict):
-        return CommandJob if _job_kind(value) == COMMAND_JOB else TrainConfig
+        return CommandJob if job_kind(value) == COMMAND_JOB else TrainConfig
     if len(members) == 1:
         return members[0]
     return annotation

@@ -62,7 +62,8 @@ class OptimizerSpec(_Spec):
         return getattr(self, self.name).model_dump()
 
 
-def _threshold(value: Any) -> Any:
+def parse_threshold(value: Any) -> Any:
+    """DropCompute's threshold: 'auto', or a duration in seconds."""
     if value == "auto":
         return value
     try:
@@ -76,7 +77,7 @@ class DropComputeSpec(_Spec):
     threshold (`auto`) after `warmup_steps` full steps so `target_drop_rate` of the micro-batches
     are dropped (rule in `testbed.train.dropcompute`)."""
 
-    threshold: Annotated[float | Literal["auto"], BeforeValidator(_threshold)]
+    threshold: Annotated[float | Literal["auto"], BeforeValidator(parse_threshold)]
     target_drop_rate: Fraction = Field(default=0.1, lt=1)
     warmup_steps: int = Field(default=10, ge=1)
 

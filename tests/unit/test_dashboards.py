@@ -154,7 +154,7 @@ def test_every_dashboard_has_the_variables_and_every_query_uses_them(name: str):
 
 @pytest.mark.parametrize("name", sorted(COMMITTED))
 def test_every_dashboard_marks_every_action_of_the_fault_timeline(name: str):
-    from testbed.scenario.model import ACTIONS
+    from testbed.scenario.timeline import ACTIONS
 
     listed = load(name)["annotations"]["list"]
     assert [a["name"] for a in listed] == [spec[0] for spec in dashboards.FAULT_ANNOTATIONS]

@@ -25,7 +25,7 @@ from testbed.scenario import (
     scenario_files,
 )
 from testbed.scenario.load import SHIPPED
-from testbed.scenario.model import LinkPatch, Topology
+from testbed.scenario.topology import LinkPatch, Topology
 
 QUICKSTART = """\
 name: quickstart

@@ -1,0 +1,173 @@
+"""The network between the workers: which directed links a selector picks (written as a mapping
+or as text such as '0->1'), the profile every link gets, and changes to a profile."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Annotated, Any
+
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    Field,
+    create_model,
+    field_validator,
+    model_validator,
+)
+
+from netem.profile import LinkProfile
+from testbed.scenario.fields import Congestion, Endpoint, GroupName, Section, WorkerIndex
+from testbed.scenario.links import ALL
+
+
+class Selector(Section):
+    """Which directed links: `from` and `to` (a worker index or a group name each), or `between`
+    two of them (both directions). Nothing given: every link."""
+
+    src: Endpoint | None = Field(default=None, alias="from")
+    dst: Endpoint | None = Field(default=None, alias="to")
+    between: tuple[Endpoint, Endpoint] | None = None
+
+    @model_validator(mode="after")
+    def _one_form(self) -> Selector:
+        if (self.src is None) != (self.dst is None):
+            raise ValueError("give both from and to (one direction), or between (both)")
+        if self.between is not None and self.src is not None:
+            raise ValueError("give from/to (one direction) or between (both), not both")
+        return self
+
+    @property
+    def is_all(self) -> bool:
+        return self.src is None and self.between is None
+
+    @property
+    def endpoints(self) -> tuple[Endpoint, ...]:
+        if self.between is not None:
+            return self.between
+        return () if self.src is None else (self.src, self.dst)
+
+    @property
+    def specificity(self) -> int:
+        """How many ends are single workers: a more specific link wins over a less specific."""
+        return sum(isinstance(end, int) for end in self.endpoints)
+
+    def matches(self, groups: Mapping[str, list[int]], src: int, dst: int) -> bool:
+        """Whether the directed link src -> dst is one of these."""
+        if src == dst:
+            return False
+        if self.is_all:
+            return True
+
+        def member(worker: int, end: Endpoint) -> bool:
+            return worker == end if isinstance(end, int) else worker in groups.get(end, ())
+
+        if self.between is not None:
+            a, b = self.between
+            return (member(src, a) and member(dst, b)) or (member(src, b) and member(dst, a))
+        return member(src, self.src) and member(dst, self.dst)
+
+    def pairs(self, groups: Mapping[str, list[int]], count: int) -> list[tuple[int, int]]:
+        """Every directed link (src, dst) selected, in order."""
+        return [
+            (s, d) for s in range(count) for d in range(count) if self.matches(groups, s, d)
+        ]
+
+    def describe(self) -> str:
+        if self.is_all:
+            return "all links"
+        if self.between is not None:
+            return f"{self.between[0]}<->{self.between[1]}"
+        return f"{self.src}->{self.dst}"
+
+
+LINK_TEXT = r"^\s*([A-Za-z0-9_.-]+)\s*(<->|->)\s*([A-Za-z0-9_.-]+)\s*$"
+LINK_HELP = ("a link such as '0->1' (one direction), '0<->2' (both), 'east->west' (groups) or "
+             "'all', or a mapping {from: 0, to: 1} / {between: [0, 2]}")
+
+
+def link_text(value: Any) -> Any:
+    """`"0->1"` is `{from: 0, to: 1}`, `"a<->b"` is `{between: [a, b]}`, `"all"` every link."""
+    if not isinstance(value, str):
+        return value
+    if value.strip() == ALL:
+        return {}
+    match = re.match(LINK_TEXT, value)
+    if not match:
+        raise ValueError(f"expected {LINK_HELP}, got {value!r}")
+    first, arrow, second = match.groups()
+    ends = [int(end) if end.isdigit() else end for end in (first, second)]
+    return {"from": ends[0], "to": ends[1]} if arrow == "->" else {"between": ends}
+
+
+LinkText = Annotated[Selector, BeforeValidator(link_text)]
+
+
+class Link(Selector):
+    """A profile for some links, overriding the default (and less specific links)."""
+
+    profile: LinkProfile
+
+    @model_validator(mode="after")
+    def _selects(self) -> Link:
+        if self.is_all:
+            raise ValueError("give from and to, or between: the default covers every link")
+        return self
+
+
+class Topology(Section):
+    """The network between the workers. Every directed link i -> j gets `default`, unless a
+    link in `links` selects it; of several, the one naming more single workers wins."""
+
+    default: LinkProfile = Field(default=LinkProfile(), description="Every link's profile "
+                                 "unless `links` selects it (default: a perfect link).")
+    groups: dict[GroupName, Annotated[list[WorkerIndex], Field(min_length=1)]] = Field(
+        default={}, description="Named, disjoint sets of workers, e.g. regions.")
+    links: list[Link] = Field(default=[], description="Profiles of some links: from/to (one "
+                              "direction) or between (both); the most specific wins.")
+    mtu: int = Field(default=1500, ge=576, le=9000, description="MTU of every link.")
+    congestion: Congestion = Field(default="cubic", description="Every worker's TCP congestion "
+                                   "control (recorded with the run).")
+
+
+def resolve_link(topology: Topology, src: int, dst: int) -> LinkProfile:
+    """The profile of the directed link src -> dst: the most specific link that selects it
+    (worker->worker over worker->group over group->group), else the default. Validation makes
+    sure no two links select one pair with the same specificity, so the order does not matter."""
+    best: Link | None = None
+    for link in topology.links:
+        if link.matches(topology.groups, src, dst) and (
+            best is None or link.specificity > best.specificity
+        ):
+            best = link
+    return topology.default if best is None else best.profile
+
+
+def _link_patch_model() -> type[BaseModel]:
+    """`LinkProfile`'s fields, types and field validators, every field optional: a change to a
+    link, checked as a whole once applied to the link's profile (`patch_profile`)."""
+    fields: dict[str, Any] = {}
+    for name, info in LinkProfile.model_fields.items():
+        annotation = Annotated[(info.annotation, *info.metadata)] if info.metadata else (
+            info.annotation)
+        fields[name] = (annotation | None, Field(default=None, alias=info.alias))
+    validators = {
+        decorator.cls_var_name: field_validator(*decorator.info.fields, mode=decorator.info.mode)(
+            classmethod(decorator.func.__func__))
+        for decorator in LinkProfile.__pydantic_decorators__.field_validators.values()
+    }
+    model = create_model("LinkPatch", __base__=Section, __validators__=validators, **fields)
+    model.__doc__ = ("Some fields of a link profile (same units as LinkProfile); the others stay "
+                     "as they are, and null resets a field to its default.")
+    return model
+
+
+LinkPatch = _link_patch_model()
+
+
+def patch_profile(current: LinkProfile, change: BaseModel) -> LinkProfile:
+    """`current` with the fields given in `change` (a `LinkPatch`) replaced; a field given as
+    null goes back to its default. Raises `ProfileError` if the result is not a valid profile."""
+    merged = {**current.model_dump(by_alias=True),
+              **change.model_dump(include=set(change.model_fields_set), by_alias=True)}
+    return LinkProfile.build({key: value for key, value in merged.items() if value is not None})
