@@ -150,7 +150,8 @@ def change(
 ) -> AppliedShaping:
     """Like `apply`, but when the interface already carries the same tree (direction, backend,
     sources) only the profiles are replaced, in place: no moment without shaping, no queue
-    flushed. Anything else is rebuilt by `apply`."""
+    flushed. Anything else is rebuilt by `apply`. Every netem leaf gets its whole profile again,
+    a seed included: netem draws its random numbers from the seed's start again."""
     plan = build_plan(iface, rules, direction=direction, backend=usable(backend))
     with _netlink(netns) as ipr:
         installed = _installed(ipr, iface, netns)
@@ -176,8 +177,8 @@ def installed(iface: str, *, netns: str | None = None) -> Plan | None:
 
 def clear(iface: str, *, netns: str | None = None) -> None:
     """Remove all shaping from `iface`: its root and ingress qdiscs (with every class, leaf and
-    filter), its ifb, its nft chain (and the table when it was the last one), the recorded
-    distributions. Idempotent. Offloads stay off."""
+    filter), its ifb, its nft chain (and the table when it was the last one), what was
+    recorded of its netem leaves (distributions, seeds). Idempotent. Offloads stay off."""
     ifb = ifb_name(iface)
     with _netlink(netns) as ipr:
         index = _index(ipr, iface)
@@ -499,5 +500,5 @@ def _ignore_missing(call: Any, *args: Any, **kwargs: Any) -> None:
 
 
 def _annotation_key(netns: str | None, device: str) -> str:
-    """Where netem.netlink records a tree's delay distributions (the kernel does not dump them)."""
+    """Where netem.netlink records what the kernel does not dump of a tree's netem leaves."""
     return f"{netns or '-'}/{device}"

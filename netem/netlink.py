@@ -2,18 +2,17 @@
 
 pyroute2's own netem encoder cannot be used as it is: `rate=` adds the generic TCA_RATE that
 netem rejects (ERANGE), it truncates probabilities, counts time in whole microseconds, knows
-neither Gilbert-Elliott loss nor delay distribution tables. So netem's TCA_OPTIONS are encoded
-here the way iproute2's `tc` sends them (tc/q_netem.c), and the kernel's dump is decoded back.
-docs/netlink.md explains the choices: the GE mapping, the tables, the rate, the annotations.
+neither Gilbert-Elliott loss, delay distribution tables, slots nor seeds. So netem's TCA_OPTIONS
+are encoded here the way iproute2's `tc` sends them (tc/q_netem.c), and the kernel's dump is
+decoded back. docs/netlink.md explains the choices: the GE mapping, the tables, the rate, the
+slots, the seed, the annotations.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import os
-import sysconfig
-from collections.abc import Iterator
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -31,12 +30,12 @@ from pyroute2.netlink import (
 from pyroute2.netlink.rtnl import RTM_NEWQDISC
 from pyroute2.netlink.rtnl.tcmsg import tcmsg
 
-from netem.profile import GilbertElliott, LinkProfile
+from netem.distribution import distribution_table
+from netem.profile import GilbertElliott, LinkProfile, SampledDistribution, Slot
 from netem.tc import format_handle, tc_handle
 
 U32_MAX = 2**32 - 1
 PSCHED_SHIFT = 6  # the kernel's old time unit (qopt.latency) is 64 ns; LATENCY64 is exact
-NETEM_DIST_SCALE = 8192  # a table entry of NETEM_DIST_SCALE stands for one jitter (sigma)
 ANNOTATIONS = Path("/run/netem-testbed/netem")
 # Flags as `tc qdisc add|change|replace` sends them.
 _FLAGS = {
@@ -44,9 +43,6 @@ _FLAGS = {
     "change": 0,
     "replace": NLM_F_CREATE | NLM_F_REPLACE,
 }
-# A uniform table, sent instead of none on change: the kernel keeps the previous table when a
-# change carries none and cannot be told to drop it. Odd steps over (-1, 1) sigma, mean 0.
-UNIFORM_TABLE = tuple(range(-NETEM_DIST_SCALE + 1, NETEM_DIST_SCALE, 2))
 
 
 class NetemOptions(nla):
@@ -73,9 +69,9 @@ class NetemOptions(nla):
         ("TCA_NETEM_PAD", "none"),
         ("TCA_NETEM_LATENCY64", "int64"),
         ("TCA_NETEM_JITTER64", "int64"),
-        ("TCA_NETEM_SLOT", "hex"),
-        ("TCA_NETEM_SLOT_DIST", "none"),
-        ("TCA_NETEM_PRNG_SEED", "none"),
+        ("TCA_NETEM_SLOT", "slot"),
+        ("TCA_NETEM_SLOT_DIST", "array(int16)"),
+        ("TCA_NETEM_PRNG_SEED", "uint64"),
     )
 
     class corr(nla):
@@ -92,6 +88,18 @@ class NetemOptions(nla):
             ("packet_overhead", "i"),
             ("cell_size", "I"),
             ("cell_overhead", "i"),
+        )
+
+    class slot(nla):
+        """struct tc_netem_slot: times in ns; 0 packets or bytes is no limit."""
+
+        fields = (
+            ("min_delay", "q"),
+            ("max_delay", "q"),
+            ("max_packets", "i"),
+            ("max_bytes", "i"),
+            ("dist_delay", "q"),
+            ("dist_jitter", "q"),
         )
 
     class loss_model(nla):
@@ -133,46 +141,18 @@ def _ns(seconds: float) -> int:
     return round(seconds * 1e9)
 
 
-@functools.cache
-def distribution_table(name: str) -> tuple[int, ...]:
-    """The delay table `tc ... distribution NAME` sends: iproute2's NAME.dist, as s16 values.
-
-    'uniform' has no file (netem's built-in law needs no table): `UNIFORM_TABLE` stands in.
-    """
-    if name == "uniform":
-        return UNIFORM_TABLE
-    for folder in _tc_lib_dirs():
-        path = folder / f"{name}.dist"
-        if path.is_file():
-            return tuple(
-                int(word, 0)
-                for line in path.read_text().splitlines()
-                if line.strip() and not line.startswith("#")
-                for word in line.split()
-            )
-    tried = ", ".join(str(folder) for folder in _tc_lib_dirs())
-    raise FileNotFoundError(
-        f"delay distribution {name!r} needs iproute2's table {name}.dist (looked in {tried}); "
-        "install iproute2 or set TC_LIB_DIR to the folder that holds it"
-    )
-
-
-def _tc_lib_dirs() -> Iterator[Path]:
-    """Where tc looks for tables (TC_LIB_DIR, else its LIBDIR/tc), Debian's path first."""
-    if os.environ.get("TC_LIB_DIR"):
-        yield Path(os.environ["TC_LIB_DIR"])
-    multiarch = sysconfig.get_config_var("MULTIARCH")
-    if multiarch:
-        yield Path("/usr/lib", multiarch, "tc")
-    yield from (Path("/usr/lib/tc"), Path("/usr/lib64/tc"))
-
-
-def netem_options(profile: LinkProfile, *, table: tuple[int, ...] | None = None) -> dict:
+def netem_options(
+    profile: LinkProfile,
+    *,
+    table: tuple[int, ...] | None = None,
+    slot_table: tuple[int, ...] | None = None,
+) -> dict:
     """The TCA_OPTIONS value for `NetemOptions` that installs the profile.
 
     Every attribute the profile covers is sent, zeros included, so that a change replaces all of
-    the old settings (netem keeps whatever a change leaves out). The delay table is the one
-    exception: pass it in `table` (see `add_netem`).
+    the old settings (netem keeps whatever a change leaves out). The exceptions: the seed goes
+    only when the profile has one (without, the kernel chooses), and the delay and slot tables
+    only when given in `table` and `slot_table` (see `qdisc_request`).
     """
     ge = profile.gilbert_elliott
     rate = (profile.rate or 0) // 8  # bytes per second
@@ -212,19 +192,25 @@ def netem_options(profile: LinkProfile, *, table: tuple[int, ...] | None = None)
         attrs.append(["TCA_NETEM_LOSS", {"attrs": [["NETEM_LOSS_GE", gemodel]]}])
     if rate > U32_MAX:
         attrs.append(["TCA_NETEM_RATE64", rate])
-    attrs.append(
+    attrs += [
         [
             "TCA_NETEM_RATE",
             {
                 "rate": min(rate, U32_MAX),
-                "packet_overhead": 0,
-                "cell_size": 0,
-                "cell_overhead": 0,
+                "packet_overhead": profile.packet_overhead,
+                "cell_size": profile.cell_size,
+                "cell_overhead": profile.cell_overhead,
             },
-        ]
-    )
+        ],
+        ["TCA_NETEM_ECN", int(profile.ecn)],
+        ["TCA_NETEM_SLOT", _slot_struct(profile.slot)],
+    ]
+    if profile.seed is not None:
+        attrs.append(["TCA_NETEM_PRNG_SEED", profile.seed])
     if table is not None:
         attrs.append(["TCA_NETEM_DELAY_DIST", table])
+    if slot_table is not None:
+        attrs.append(["TCA_NETEM_SLOT_DIST", slot_table])
     return {
         "latency": 0,  # superseded by LATENCY64/JITTER64, as in tc
         "jitter": 0,
@@ -234,6 +220,20 @@ def netem_options(profile: LinkProfile, *, table: tuple[int, ...] | None = None)
         "gap": max(profile.gap, 1) if profile.reorder else profile.gap,
         "duplicate": _u32(profile.duplicate),
         "attrs": attrs,
+    }
+
+
+def _slot_struct(slot: Slot | None) -> dict[str, int]:
+    """struct tc_netem_slot; all zeros (no slots) without one."""
+    if slot is None:
+        return dict.fromkeys((name for name, _ in NetemOptions.slot.fields), 0)
+    return {
+        "min_delay": _ns(slot.min_delay),
+        "max_delay": _ns(slot.max_delay),
+        "max_packets": slot.max_packets,
+        "max_bytes": slot.max_bytes,
+        "dist_delay": _ns(slot.delay),
+        "dist_jitter": _ns(slot.jitter),
     }
 
 
@@ -247,14 +247,16 @@ def qdisc_request(
 ) -> NetemQdiscMsg:
     """The RTM_NEWQDISC message `add_netem` sends (exposed to test the encoding without a kernel).
 
-    A table goes with every profile whose distribution is not uniform, and on change/replace with
-    a uniform one too (`UNIFORM_TABLE`): otherwise a table installed before would stay.
+    A table goes with every jitter whose distribution is not uniform, and on change/replace
+    with a uniform one too (`UNIFORM_TABLE`): otherwise a table installed before would stay.
+    The same holds for a slot distribution's table.
     """
     if command not in _FLAGS:
         raise ValueError(f"command: expected one of {', '.join(_FLAGS)}, got {command!r}")
-    table = None
-    if profile.jitter and (profile.distribution != "uniform" or command != "add"):
-        table = distribution_table(profile.distribution)
+    slot = profile.slot
+    slot_table = None
+    if slot is not None and slot.distribution is not None:
+        slot_table = _table(slot.distribution, slot.jitter, command)
     msg = NetemQdiscMsg()
     msg["family"] = 0
     msg["index"] = ifindex
@@ -262,9 +264,27 @@ def qdisc_request(
     msg["parent"] = tc_handle(parent)
     msg["attrs"] = [
         ["TCA_KIND", "netem"],
-        ["TCA_OPTIONS", netem_options(profile, table=table)],
+        [
+            "TCA_OPTIONS",
+            netem_options(
+                profile,
+                table=_table(profile.distribution, profile.jitter, command),
+                slot_table=slot_table,
+            ),
+        ],
     ]
     return msg
+
+
+def _table(
+    distribution: str | SampledDistribution, jitter: float, command: str
+) -> tuple[int, ...] | None:
+    """The table a jitter of this distribution needs sent with the command, if any."""
+    if not jitter or (distribution == "uniform" and command == "add"):
+        return None
+    if isinstance(distribution, SampledDistribution):
+        return distribution.table()
+    return distribution_table(distribution)
 
 
 def add_netem(
@@ -280,15 +300,16 @@ def add_netem(
     """Install (command 'add', 'change' or 'replace') a netem qdisc shaping as the profile says.
 
     `ipr` is a pyroute2 IPRoute/NetNS in the interface's namespace; `parent` is 'root' or a
-    class such as '1:1'; `handle` is the qdisc's own ('10:'). With `annotate`, the distribution
-    (which the kernel does not dump) is recorded under that key for `read_netem`.
+    class such as '1:1'; `handle` is the qdisc's own ('10:'). With `annotate`, what the kernel
+    does not dump (the distributions, whether the seed is the profile's) is recorded under that
+    key for `read_netem`.
     """
     if annotate is not None and not tc_handle(handle):
         raise ValueError("handle: recording the distribution needs an explicit handle, not 0")
     msg = qdisc_request(ifindex, parent, handle, profile, command=command)
     _request(ipr, msg, RTM_NEWQDISC, _FLAGS[command])
     if annotate is not None:
-        _record(annotate, tc_handle(handle), profile.distribution)
+        _record(annotate, tc_handle(handle), _undumped(profile))
 
 
 def read_netem(
@@ -296,9 +317,11 @@ def read_netem(
 ) -> LinkProfile:
     """The profile of the netem qdisc with that handle on the interface, as the kernel has it.
 
-    The kernel does not dump the delay table: the distribution is what `add_netem` recorded
-    under `annotate`, uniform without a record. Settings a `LinkProfile` cannot describe (4-state
-    loss, ecn, slots, rate overheads) raise ValueError rather than being dropped.
+    The kernel does not dump the tables, and dumps a seed even where none was given (its own,
+    random): the distributions and whether the seed is the profile's are what `add_netem`
+    recorded under `annotate`; without a record, distributions read back as uniform and the
+    seed as none. Settings a `LinkProfile` cannot describe (4-state loss) raise ValueError
+    rather than being dropped.
     """
     wanted = tc_handle(handle)
     found = [q for q in ipr.get_qdiscs(index=ifindex) if q["handle"] == wanted]
@@ -313,8 +336,8 @@ def read_netem(
     raw = reply.nla("TCA_OPTIONS")
     options = NetemOptions(data=raw.data, offset=raw.offset, length=raw.length)
     options.decode()
-    distribution = _recorded(annotate, wanted) if annotate is not None else "uniform"
-    return profile_from_options(options, distribution)
+    recorded = _recorded(annotate, wanted) if annotate is not None else {}
+    return profile_from_options(options, **recorded)
 
 
 def _request(ipr: Any, msg: nlmsg, msg_type: int, flags: int) -> None:
@@ -328,26 +351,23 @@ def _request(ipr: Any, msg: nlmsg, msg_type: int, flags: int) -> None:
     list(ipr.nlm_request_batch([msg]))
 
 
-def profile_from_options(options: NetemOptions, distribution: str = "uniform") -> LinkProfile:
-    """Decode netem's options (a dump, or a request) into a profile."""
+def profile_from_options(
+    options: NetemOptions,
+    distribution: str | Mapping[str, Any] = "uniform",
+    *,
+    slot_distribution: str | Mapping[str, Any] = "uniform",
+    seeded: bool = False,
+) -> LinkProfile:
+    """Decode netem's options (a dump, or a request) into a profile.
+
+    What the options do not carry comes as arguments: the distributions of the jitter and of a
+    slot distribution (as `LinkProfile` takes them), and whether a seed in the options is the
+    profile's (a dump has the kernel's own where none was given).
+    """
     attr = options.get_attr
     corr, rate, loss = attr("TCA_NETEM_CORR"), attr("TCA_NETEM_RATE"), attr("TCA_NETEM_LOSS")
-    unsupported = [
-        name
-        for name, used in (
-            ("4-state loss", loss is not None and loss.get_attr("NETEM_LOSS_GI") is not None),
-            ("ecn", bool(attr("TCA_NETEM_ECN"))),
-            ("slot", attr("TCA_NETEM_SLOT") is not None),
-            (
-                "rate overheads",
-                rate is not None
-                and any(rate[k] for k in ("packet_overhead", "cell_size", "cell_overhead")),
-            ),
-        )
-        if used
-    ]
-    if unsupported:
-        raise ValueError(f"netem uses {', '.join(unsupported)}, which LinkProfile cannot describe")
+    if loss is not None and loss.get_attr("NETEM_LOSS_GI") is not None:
+        raise ValueError("netem uses 4-state loss, which LinkProfile cannot describe")
     latency = attr("TCA_NETEM_LATENCY64", options["latency"] << PSCHED_SHIFT)
     jitter = attr("TCA_NETEM_JITTER64", options["jitter"] << PSCHED_SHIFT)
     rate_bytes = attr("TCA_NETEM_RATE64", rate["rate"] if rate is not None else 0)
@@ -357,11 +377,16 @@ def profile_from_options(options: NetemOptions, distribution: str = "uniform") -
         "jitter": jitter / 1e9,
         "distribution": distribution if jitter else "uniform",
         "loss": _fraction(options["loss"]) if gemodel is None else 0.0,
+        "ecn": bool(attr("TCA_NETEM_ECN")),
         "duplicate": _fraction(options["duplicate"]),
         "limit": options["limit"],
         "gap": 0 if options["gap"] == 1 else options["gap"],  # 1 is tc's default for 0
         "rate": rate_bytes * 8 or None,
+        "slot": _slot(attr("TCA_NETEM_SLOT"), slot_distribution),
+        "seed": attr("TCA_NETEM_PRNG_SEED") if seeded else None,
     }
+    if rate is not None:
+        values |= {name: rate[name] for name in ("packet_overhead", "cell_size", "cell_overhead")}
     if corr is not None:
         values |= {
             "delay_correlation": _fraction(corr["delay_corr"]),
@@ -383,20 +408,53 @@ def profile_from_options(options: NetemOptions, distribution: str = "uniform") -
     return LinkProfile.build(values)
 
 
+def _slot(
+    slot: NetemOptions.slot | None, distribution: str | Mapping[str, Any]
+) -> dict[str, Any] | None:
+    """A slot's fields from struct tc_netem_slot; None where it makes no slots (all zero)."""
+    if slot is None or not (slot["min_delay"] or slot["max_delay"] or slot["dist_jitter"]):
+        return None
+    limits = {"max_packets": slot["max_packets"], "max_bytes": slot["max_bytes"]}
+    if slot["dist_jitter"]:
+        times = {"distribution": distribution, "delay": slot["dist_delay"] / 1e9,
+                 "jitter": slot["dist_jitter"] / 1e9}
+    else:
+        times = {"min_delay": slot["min_delay"] / 1e9, "max_delay": slot["max_delay"] / 1e9}
+    return times | limits
+
+
 def _annotation_file(key: str) -> Path:
     return ANNOTATIONS / f"{quote(key, safe='')}.json"
 
 
-def _records(key: str) -> dict[str, str]:
+def _records(key: str) -> dict[str, str | dict[str, Any]]:
     try:
         return json.loads(_annotation_file(key).read_text())
     except FileNotFoundError:
         return {}
 
 
-def _record(key: str, handle: int, distribution: str) -> None:
-    """Write {handle: distribution} into the key's file, atomically (write, then rename)."""
-    records = _records(key) | {format_handle(handle): distribution}
+def _undumped(profile: LinkProfile) -> str | dict[str, Any]:
+    """What a dump lacks of the profile, as `profile_from_options` takes it: the jitter's
+    distribution (its name alone when that is all), a slot's, and whether the seed is the
+    profile's."""
+    record: dict[str, Any] = {}
+    if profile.slot is not None and profile.slot.distribution is not None:
+        record["slot_distribution"] = _dumped(profile.slot.distribution)
+    if profile.seed is not None:
+        record["seeded"] = True
+    if not record and isinstance(profile.distribution, str):
+        return profile.distribution
+    return {"distribution": _dumped(profile.distribution), **record}
+
+
+def _dumped(distribution: str | SampledDistribution) -> str | dict[str, Any]:
+    return distribution if isinstance(distribution, str) else distribution.model_dump()
+
+
+def _record(key: str, handle: int, undumped: str | dict[str, Any]) -> None:
+    """Write {handle: undumped} into the key's file, atomically (write, then rename)."""
+    records = _records(key) | {format_handle(handle): undumped}
     path = _annotation_file(key)
     path.parent.mkdir(parents=True, exist_ok=True)
     scratch = path.with_suffix(f".{os.getpid()}.tmp")
@@ -404,8 +462,10 @@ def _record(key: str, handle: int, distribution: str) -> None:
     scratch.replace(path)
 
 
-def _recorded(key: str, handle: int) -> str:
-    return _records(key).get(format_handle(handle), "uniform")
+def _recorded(key: str, handle: int) -> dict[str, Any]:
+    """The keyword arguments of `profile_from_options` recorded for the handle."""
+    record = _records(key).get(format_handle(handle), "uniform")
+    return {"distribution": record} if isinstance(record, str) else record
 
 
 def forget_annotations(annotate: str) -> None:

@@ -52,7 +52,8 @@ UNLIMITED = 8 * 10**12  # bit/s: the htb rate of a class that does not limit (no
 QUANTUM = 1514  # bytes: htb classes take turns frame by frame when the device is the bottleneck
 NFT_TABLE = "netem_testbed"
 LOSS_MODULUS = 10**9  # numgen's range: a profile's loss is on a 1e-9 grid, so this is exact
-FALLBACK_FIELDS = frozenset({"loss", "rate", "limit"})
+# The seed goes too, unused: nftables' numgen takes none, so the fallback's loss is not repeatable.
+FALLBACK_FIELDS = frozenset({"loss", "rate", "limit", "seed"})
 IFNAMSIZ = 16
 
 
@@ -292,12 +293,19 @@ class Plan:
         return self.iface if self.direction == "egress" else ifb_name(self.iface)
 
     @property
-    def layout(self) -> tuple[str, str, tuple[str | None, ...]]:
-        """What fixes the tree: equal layouts differ only in their profiles."""
-        return self.direction, self.backend, tuple(rule.source for rule in self.rules)
+    def layout(self) -> tuple[str, str, tuple[str | None, ...], tuple[bool, ...]]:
+        """What fixes the tree: equal layouts differ only in what a change can set in place.
+        That is all of a profile but a slot distribution coming or going: netem keeps a slot
+        table once given, and with one it never takes min/max slots again."""
+        return (self.direction, self.backend, tuple(rule.source for rule in self.rules),
+                tuple(_slot_table(rule.profile) for rule in self.rules))
 
     def profiles(self) -> dict[str | None, LinkProfile]:
         return {rule.source: rule.profile for rule in self.rules}
+
+
+def _slot_table(profile: LinkProfile) -> bool:
+    return profile.slot is not None and profile.slot.distribution is not None
 
 
 def build_plan(

@@ -143,7 +143,9 @@ class Session:
 
     def _change(self, plan: Plan) -> None:
         """In place when the layout is the same, redoing only the steps that differ (the nft
-        loss step always: an in-place change without one removes the chain); else rebuilt."""
+        loss step always: an in-place change without one removes the chain); else rebuilt. A
+        netem leaf redone gets its whole profile, its seed too: netem draws its random numbers
+        from the seed's start again."""
         installed = self._plans.pop(plan.iface)  # unknown until this succeeds
         if plan.layout == installed.layout:
             steps = tuple(step for step in plan.steps

@@ -7,9 +7,11 @@ hand `tc` the same arguments to check that it agrees with the netlink encoding.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from pyroute2.netlink.rtnl import TC_H_ROOT
 
-from netem.profile import LinkProfile
+from netem.profile import LinkProfile, SampledDistribution, Slot
 from netem.units import format_fraction
 
 
@@ -41,7 +43,9 @@ def format_handle(handle: int) -> str:
 def netem_tc_args(profile: LinkProfile) -> list[str]:
     """The `tc qdisc ... netem` arguments for the profile, in the order of tc-netem(8).
 
-    Times and rates are written in the largest unit that keeps them exact (tc truncates).
+    Times and rates are written in the largest unit that keeps them exact (tc truncates). A
+    distribution made from samples is named by its file's stem: tc reads it from STEM.dist in
+    its TC_LIB_DIR (iproute2's maketable makes one). `seed` needs iproute2 6.6 or later.
     """
     args = ["limit", str(profile.limit)]
     dup_corr_only = profile.duplicate_correlation and not (
@@ -57,7 +61,7 @@ def netem_tc_args(profile: LinkProfile) -> list[str]:
         if profile.delay_correlation:
             args.append(format_fraction(profile.delay_correlation))
         if profile.distribution != "uniform":
-            args += ["distribution", profile.distribution]
+            args += ["distribution", _table_name(profile.distribution)]
     # tc sends the correlations only if one of delay, loss, reorder or corrupt has one: a lone
     # duplicate correlation goes out with an explicit (zero) loss correlation.
     if profile.loss or profile.loss_correlation or dup_corr_only:
@@ -68,6 +72,8 @@ def netem_tc_args(profile: LinkProfile) -> list[str]:
         ge = profile.gilbert_elliott
         args += ["loss", "gemodel"]
         args += [format_fraction(v) for v in (ge.p, ge.r, ge.loss_bad, ge.loss_good)]
+    if profile.ecn:
+        args.append("ecn")
     for name in ("corrupt", "duplicate", "reorder"):
         value, correlation = getattr(profile, name), getattr(profile, f"{name}_correlation")
         if value or correlation:
@@ -78,7 +84,35 @@ def netem_tc_args(profile: LinkProfile) -> list[str]:
         args += ["gap", str(profile.gap)]
     if profile.rate:
         args += ["rate", _tc_rate(profile.rate)]
+        # Overheads are positional: each one before the last given goes too, zero or not.
+        overheads = [profile.packet_overhead, profile.cell_size, profile.cell_overhead]
+        while overheads and not overheads[-1]:
+            overheads.pop()
+        args += [str(value) for value in overheads]
+    if profile.slot is not None:
+        args += _slot_args(profile.slot)
+    if profile.seed is not None:
+        args += ["seed", str(profile.seed)]
     return args
+
+
+def _slot_args(slot: Slot) -> list[str]:
+    if slot.distribution is None:
+        args = ["slot", _tc_time(slot.min_delay), _tc_time(slot.max_delay)]
+    else:
+        args = ["slot", "distribution", _table_name(slot.distribution), _tc_time(slot.delay),
+                _tc_time(slot.jitter)]
+    if slot.max_packets:
+        args += ["packets", str(slot.max_packets)]
+    if slot.max_bytes:
+        args += ["bytes", str(slot.max_bytes)]
+    return args
+
+
+def _table_name(distribution: str | SampledDistribution) -> str:
+    if isinstance(distribution, SampledDistribution):
+        return Path(distribution.samples).stem
+    return distribution
 
 
 def _tc_time(seconds: float) -> str:

@@ -13,13 +13,12 @@ from pyroute2.netlink import NLA_F_NESTED
 from pyroute2.netlink.rtnl.tcmsg import tcmsg
 
 from netem import netlink
+from netem.distribution import UNIFORM_TABLE, distribution_table, sample_table
 from netem.netlink import (
     U32_MAX,
-    UNIFORM_TABLE,
     NetemOptions,
     NetemQdiscMsg,
     add_netem,
-    distribution_table,
     forget_annotations,
     profile_from_options,
     qdisc_request,
@@ -118,6 +117,8 @@ def test_every_attribute_goes_even_when_zero():
         "TCA_NETEM_REORDER",
         "TCA_NETEM_CORRUPT",
         "TCA_NETEM_RATE",
+        "TCA_NETEM_ECN",
+        "TCA_NETEM_SLOT",
     ]
 
 
@@ -204,11 +205,11 @@ def test_request_decodes_to_the_profile(profile, command):
 def test_unsupported_settings_are_named():
     opts = NetemOptions()
     opts["limit"] = 1000
-    opts["attrs"] = [["TCA_NETEM_ECN", 1], ["TCA_NETEM_SLOT", "00" * 40]]
+    opts["attrs"] = [["TCA_NETEM_LOSS", {"attrs": [["NETEM_LOSS_GI", "00" * 20]]}]]
     opts.encode()
     decoded = NetemOptions(opts.data)
     decoded.decode()
-    with pytest.raises(ValueError, match="netem uses ecn, slot, which LinkProfile cannot"):
+    with pytest.raises(ValueError, match="netem uses 4-state loss, which LinkProfile cannot"):
         profile_from_options(decoded)
 
 
@@ -254,3 +255,130 @@ def test_reading_a_missing_qdisc():
 def test_annotate_needs_a_handle():
     with pytest.raises(ValueError, match="explicit handle"):
         add_netem(FakeRoute(), 7, "root", 0, EXAMPLE, annotate="ns/eth0")
+
+
+@pytest.mark.parametrize("command", ["add", "change", "replace"])
+def test_a_seed_goes_as_a_u64_with_every_command(command):
+    """netem re-seeds at random on a change without a seed (kernels before 2026): a profile's
+    seed goes with every change too."""
+    assert options(LinkProfile.parse(loss="1%"), command).get_attr("TCA_NETEM_PRNG_SEED") is None
+    seeded = LinkProfile.parse(loss="1%", seed=2**64 - 1)
+    assert options(seeded, command).get_attr("TCA_NETEM_PRNG_SEED") == 2**64 - 1
+
+
+def test_a_seed_reads_back_only_where_it_is_the_profiles():
+    seeded = LinkProfile.parse(loss="10%", seed=42)
+    assert profile_from_options(options(seeded), seeded=True) == seeded
+    # A dump always carries a seed, the kernel's own where none was given: not the profile's.
+    assert profile_from_options(options(seeded)) == LinkProfile.parse(loss="10%")
+
+
+def test_ecn_rate_overheads_and_slot_are_encoded():
+    profile = LinkProfile.parse(
+        loss="5%", ecn=True, rate="10mbit", packet_overhead=-4, cell_size=48, cell_overhead=5,
+        slot={"min_delay": "1ms", "max_delay": "5.000001ms", "max_packets": 10,
+              "max_bytes": 15000},
+    )
+    opts = options(profile)
+    assert opts.get_attr("TCA_NETEM_ECN") == 1
+    assert dict(opts.get_attr("TCA_NETEM_RATE")) == {
+        "rate": 1_250_000, "packet_overhead": -4, "cell_size": 48, "cell_overhead": 5,
+    }
+    assert dict(opts.get_attr("TCA_NETEM_SLOT")) == {
+        "min_delay": 1_000_000, "max_delay": 5_000_001, "max_packets": 10, "max_bytes": 15000,
+        "dist_delay": 0, "dist_jitter": 0,
+    }
+    assert opts.get_attr("TCA_NETEM_SLOT_DIST") is None
+    assert profile_from_options(opts) == profile
+
+
+def test_no_ecn_and_no_slot_go_as_zeros_so_that_a_change_removes_them():
+    opts = options(LinkProfile(), "change")
+    assert opts.get_attr("TCA_NETEM_ECN") == 0
+    assert set(dict(opts.get_attr("TCA_NETEM_SLOT")).values()) == {0}
+    assert profile_from_options(opts) == LinkProfile()
+
+
+@pytest.mark.parametrize(
+    ("shape", "command", "sent"),
+    [("pareto", "add", "pareto"), ("uniform", "add", None), ("uniform", "change", "uniform")],
+)
+def test_a_slot_distribution_goes_with_its_table(shape, command, sent):
+    profile = LinkProfile.parse(slot={"distribution": shape, "delay": "4ms", "jitter": "1ms"})
+    opts = options(profile, command)
+    slot = dict(opts.get_attr("TCA_NETEM_SLOT"))
+    assert (slot["min_delay"], slot["dist_delay"], slot["dist_jitter"]) == (0, 4_000_000, 10**6)
+    table = opts.get_attr("TCA_NETEM_SLOT_DIST")
+    assert table == (None if sent is None else distribution_table(sent))
+    assert opts.get_attr("TCA_NETEM_DELAY_DIST") is None  # the jitter's table is another
+    assert profile_from_options(opts, slot_distribution=shape) == profile
+    assert profile_from_options(opts).slot.distribution == "uniform"  # no record: uniform
+
+
+def test_a_samples_distribution_goes_with_the_table_made_from_them(tmp_path):
+    samples = tmp_path / "rtt.txt"
+    samples.write_text("10\n12\n11\n30\n")
+    profile = LinkProfile.parse(distribution={"samples": str(samples), "unit": "ms"})
+    opts = options(profile)
+    assert opts.get_attr("TCA_NETEM_DELAY_DIST") == sample_table(samples).table
+    assert profile_from_options(opts, profile.distribution.model_dump()) == profile
+    samples.write_text("10\n12\n11\n31\n")
+    with pytest.raises(ValueError, match=r"rtt\.txt: the file changed since the profile was made"):
+        options(profile)
+
+
+times = st.integers(1, 10**10).map(lambda n: n / 10**9)
+slots = st.builds(
+    lambda low, extra, packets, size: {"min_delay": low, "max_delay": low + extra,
+                                       "max_packets": packets, "max_bytes": size},
+    times, times, st.integers(0, 2**31 - 2), st.integers(0, 2**31 - 2),
+) | st.builds(
+    lambda shape, delay, jitter: {"distribution": shape, "delay": delay, "jitter": jitter},
+    st.sampled_from(["uniform", "normal", "pareto"]), times,
+    st.integers(1, 2**31 - 1).map(lambda n: n / 10**9),
+)
+
+
+@st.composite
+def profiles_with_new_fields(draw) -> LinkProfile:
+    rate = draw(st.none() | st.integers(1, 10**12).map(lambda n: n * 8))
+    cell_size = draw(st.integers(0, 2**32 - 1)) if rate else 0
+    bursty = draw(st.booleans())
+    loss = 0.0 if bursty else draw(fractions)
+    return LinkProfile.build({
+        "loss": loss,
+        "gilbert_elliott": {"p": draw(fractions)} if bursty else None,
+        "ecn": draw(st.booleans()) if bursty or loss else False,
+        "rate": rate,
+        "packet_overhead": draw(st.integers(-(2**31), 2**31 - 1)) if rate else 0,
+        "cell_size": cell_size,
+        "cell_overhead": draw(st.integers(-(2**31), 2**31 - 1)) if cell_size else 0,
+        "slot": draw(st.none() | slots),
+        "seed": draw(st.none() | st.integers(0, 2**64 - 1)),
+    })
+
+
+@given(profiles_with_new_fields(), st.sampled_from(["add", "change"]))
+def test_request_with_new_fields_decodes_to_the_profile(profile, command):
+    slot = profile.slot
+    shape = slot.distribution if slot is not None and slot.distribution is not None else "uniform"
+    decoded = profile_from_options(options(profile, command), slot_distribution=shape, seeded=True)
+    assert decoded == profile
+
+
+def test_annotations_give_distributions_and_seed_back(monkeypatch, tmp_path):
+    monkeypatch.setattr(netlink, "ANNOTATIONS", tmp_path / "records")
+    samples = tmp_path / "rtt.txt"
+    samples.write_text("10\n12\n11\n30\n")
+    profile = LinkProfile.parse(
+        distribution={"samples": str(samples), "unit": "ms"}, loss="1%", seed=7,
+        slot={"distribution": "pareto", "delay": "4ms", "jitter": "1ms"},
+    )
+    ipr = FakeRoute()
+    add_netem(ipr, 7, "1:1", "10:", profile, annotate="ns-a/eth0")
+    record = json.loads((tmp_path / "records" / "ns-a%2Feth0.json").read_text())
+    assert record == {"10:": {"distribution": profile.distribution.model_dump(),
+                              "slot_distribution": "pareto", "seeded": True}}
+    assert read_netem(ipr, 7, "10:", annotate="ns-a/eth0") == profile
+    bare = read_netem(ipr, 7, "10:")
+    assert (bare.distribution, bare.slot.distribution, bare.seed) == ("uniform", "uniform", None)

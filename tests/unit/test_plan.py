@@ -245,6 +245,32 @@ def test_layout_ignores_profiles_but_not_sources():
                                     backend="fallback").layout
 
 
+def test_fallback_takes_a_seed_it_cannot_use_and_refuses_the_new_netem_fields():
+    seeded = build_plan("p1", LinkProfile.parse(loss="10%", seed=7), backend="fallback")
+    plain = build_plan("p1", LinkProfile.parse(loss="10%"), backend="fallback")
+    assert [s for s in seeded.steps if isinstance(s, NftLoss)] == (
+        [s for s in plain.steps if isinstance(s, NftLoss)])  # numgen takes no seed
+    for fields in ({"loss": "1%", "ecn": True}, {"slot": {"min_delay": "1ms"}},
+                   {"rate": "1mbit", "packet_overhead": 20}, {"rate": "1mbit", "cell_size": 48}):
+        with pytest.raises(UnsupportedByKernel, match=list(fields)[-1]):
+            build_plan("p1", LinkProfile.parse(fields), backend="fallback")
+
+
+def test_a_slot_distribution_coming_or_going_rebuilds_the_tree():
+    """netem keeps a slot table once given, and then never takes min/max slots again."""
+    shaped = LinkProfile.parse(slot={"distribution": "normal", "delay": "4ms", "jitter": "1ms"})
+    fixed = LinkProfile.parse(slot={"min_delay": "1ms", "max_delay": "4ms"})
+    reshaped = LinkProfile.parse(slot={"distribution": "pareto", "delay": "9ms", "jitter": "2ms"})
+    assert build_plan("p1", shaped).layout == build_plan("p1", reshaped).layout
+    assert build_plan("p1", fixed).layout == build_plan("p1", LinkProfile()).layout
+    assert build_plan("p1", shaped).layout != build_plan("p1", fixed).layout
+
+
+def test_the_dry_run_shows_the_seed():
+    (*_, leaf) = render_commands(build_plan("p1", LinkProfile.parse(loss="1%", seed=42)))
+    assert leaf.endswith("netem limit 1000 loss random 1% seed 42")
+
+
 def test_namespace_paths_render_with_nsenter():
     (line, *_) = render_commands(build_plan("eth0", WAN), "/proc/42/ns/net")
     assert line.startswith("nsenter --net=/proc/42/ns/net ethtool -K eth0 ")

@@ -45,10 +45,42 @@ from netem.tc import format_handle, netem_tc_args, tc_handle
             LinkProfile.parse(delay="20.000001ms", rate="123456bit"),
             "limit 1000 delay 20000001ns rate 123456bit",
         ),
+        (
+            LinkProfile.parse(loss="5%", ecn=True, seed=18446744073709551615),
+            "limit 1000 loss random 5% ecn seed 18446744073709551615",
+        ),
+        (
+            # Overheads are positional: a cell size goes after a packet overhead, 0 or not.
+            LinkProfile.parse(rate="10mbit", cell_size=48),
+            "limit 1000 rate 10mbit 0 48",
+        ),
+        (
+            LinkProfile.parse(rate="10mbit", packet_overhead=-4, cell_size=48, cell_overhead=5),
+            "limit 1000 rate 10mbit -4 48 5",
+        ),
+        (
+            LinkProfile.parse(slot={"min_delay": "1ms", "max_delay": "5ms", "max_packets": 10,
+                                    "max_bytes": 15000}),
+            "limit 1000 slot 1ms 5ms packets 10 bytes 15000",
+        ),
+        (
+            LinkProfile.parse(slot={"distribution": "pareto", "delay": "4ms", "jitter": "1ms"}),
+            "limit 1000 slot distribution pareto 4ms 1ms",
+        ),
     ],
 )
 def test_netem_tc_args(profile, args):
     assert netem_tc_args(profile) == args.split()
+
+
+def test_a_samples_table_is_named_by_its_files_stem(tmp_path):
+    samples = tmp_path / "wifi-rtt.csv"
+    samples.write_text("seq,ms\n1,10\n2,12\n3,30\n")
+    measured = {"samples": str(samples), "column": "ms", "unit": "ms"}
+    profile = LinkProfile.parse(delay="20ms", jitter="9ms", distribution=measured,
+                                slot={"distribution": measured})
+    args = "limit 1000 delay 20ms 9ms distribution wifi-rtt slot distribution wifi-rtt"
+    assert netem_tc_args(profile) == [*args.split(), "17333333ns", "11015141ns"]
 
 
 @pytest.mark.parametrize(
