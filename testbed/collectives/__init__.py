@@ -16,7 +16,8 @@ import importlib
 import inspect
 from typing import Any
 
-from testbed.collectives.base import AllReduceStats, Capabilities, Collective, CollectiveBase
+from testbed.collectives.base import AllReduceStats, Collective, CollectiveBase
+from testbed.collectives.capabilities import Capabilities
 from testbed.collectives.registry import Placement, kind, kinds
 
 

@@ -5,9 +5,11 @@ workers, and what it cost. A collective may be inexact by design (lossy: chunks 
 deadline; moshpit: peers left out of a group): its stats say how inexact.
 
 What only some collectives do is declared, never discovered: each kind's `Capabilities` stand
-in its registry entry (`registry.py`), and `CollectiveBase` gives the optional parts a default
-that a collective overrides where it has more (its transport, parameters for a rejoining
-worker, the shapes behind a flat vector, the owners' update of strategy `sharded`).
+in its registry entry (`registry.py`), which declares them to `capabilities.py`, where
+`CollectiveBase.capabilities` reads them (a collective no entry declares has the conservative
+defaults, `UNDECLARED`). `CollectiveBase` gives the optional parts a default that a collective
+overrides where it has more (its transport, parameters for a rejoining worker, the shapes
+behind a flat vector, the owners' update of strategy `sharded`).
 
 Torch-free at import: the scenario, the registry and the command line read this module.
 """
@@ -18,6 +20,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar, Protocol, runtime_checkable
+
+from testbed.collectives.capabilities import Capabilities, declared
 
 if TYPE_CHECKING:
     import torch
@@ -69,20 +73,6 @@ class PhaseClock:
         self._wall, self._cpu = wall, cpu
 
 
-@dataclass(frozen=True)
-class Capabilities:
-    """What a collective kind can do, declared once in its registry entry; scenario checks,
-    the worker and the compression layer read these, never a kind's name."""
-
-    exact: bool = False  # every worker gets the same, exact mean
-    sharded_step: bool = False  # owns the update of its shards (`ShardedStep`: strategy sharded)
-    takes_back: bool = False  # a restarted worker can rejoin the running collective
-    reliable_exchange: bool = False  # offers compressors a reliable neighbour exchange
-    datagrams: bool = False  # moves data as datagrams (`endpoint`: per-peer datagram counters)
-    # proves the run's key on every socket of its own (datagram MACs, TCP hellos): `key`
-    authenticates: bool = False
-
-
 @runtime_checkable
 class Collective(Protocol):
     """An all-reduce among `world` workers; this object is worker `rank`'s end of it."""
@@ -129,9 +119,8 @@ class CollectiveBase:
 
     @property
     def capabilities(self) -> Capabilities:
-        from testbed.collectives.registry import kind
-
-        return kind(self.name).capabilities
+        """What this collective's kind declares (`capabilities.UNDECLARED` where none does)."""
+        return declared(self.name)
 
     def set_shapes(self, shapes: Sequence[tuple[int, ...]]) -> None:
         """The shapes of the tensors a flat vector is made of (a model's parameters, in order);

@@ -14,11 +14,21 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, Self, TypeVar, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PositiveFloat,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
+    model_validator,
+)
+from pydantic_core import ErrorDetails, PydanticCustomError
 
-from testbed.collectives.base import Capabilities
+from testbed.collectives.capabilities import Capabilities, declare
 
 Address = tuple[str, int]
 T = TypeVar("T")
@@ -30,6 +40,15 @@ class CollectiveOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    @classmethod
+    def checked(cls, **given: Any) -> Self:
+        """`given` as these options, for a constructor called directly: refused as a scenario
+        would refuse them, by a ValueError that names the field."""
+        try:
+            return cls(**given)
+        except ValidationError as error:
+            raise ValueError("; ".join(map(_in_words, error.errors()))) from None
+
     def rejoin_problem(self, compressor: str) -> str | None:
         """Why a restarted worker could not rejoin with these options and `compressor`
         (None: it can, if the kind `takes_back` at all)."""
@@ -39,6 +58,13 @@ class CollectiveOptions(BaseModel):
         """(the option, why) where these options do not fit the job's `strategy` (None: they
         do)."""
         return None
+
+
+def _in_words(error: ErrorDetails) -> str:
+    """`field: what is wrong` (a rule across fields names its field itself)."""
+    where = ".".join(map(str, error["loc"]))
+    message = error["msg"].removeprefix("Value error, ")
+    return f"{where}: {message}" if where else message
 
 
 @dataclass(frozen=True)
@@ -95,10 +121,11 @@ _KINDS: dict[str, Kind] = {}
 
 
 def register(entry: Kind) -> Kind:
-    """Add a collective kind (its name must be new)."""
+    """Add a collective kind (its name must be new), declaring its capabilities."""
     if entry.name in _KINDS:
         raise ValueError(f"collective kind {entry.name!r} is registered already")
     _KINDS[entry.name] = entry
+    declare(entry.name, entry.capabilities)
     return entry
 
 
@@ -142,8 +169,8 @@ class GlooOptions(CollectiveOptions):
 
 
 class MoshpitOptions(CollectiveOptions):
-    group_size: int = Field(default=4, ge=1, description="Peers per group: the virtual grid's "
-                            "side.")
+    group_size: int = Field(default=4, ge=2, description="Peers per group: the virtual grid's "
+                            "side (at least 2: a group of one averages nothing).")
     timeout: float = Field(default=5.0, gt=0, description="Seconds a call may take (it "
                            "returns within this plus 0.25 s): peers not there in time are "
                            "left out. At least twice what a call takes when nothing fails.")
@@ -152,6 +179,37 @@ class MoshpitOptions(CollectiveOptions):
     expiry: float | None = Field(default=None, gt=0, description="Seconds of silence after "
                                  "which a peer counts as gone (default: four heartbeats).")
     rendezvous_timeout: float = Field(default=60.0, gt=0, description=RENDEZVOUS_HELP)
+
+    @model_validator(mode="after")
+    def _expiry_after_heartbeat(self) -> Self:
+        """A peer is gone after `expiry` seconds without a sign of life: at least one heartbeat
+        must fit in it."""
+        if self.expiry is not None and self.expiry <= self.heartbeat:
+            raise ValueError(f"expiry: expected more than heartbeat ({self.heartbeat!r} s), "
+                             f"got {self.expiry!r}")
+        return self
+
+
+# What a worker's copy holds where it missed a chunk of an owner's parameter broadcast (`step`):
+# its stale value, that plus the last per-step update it received there, or that plus the
+# update its own optimizer makes of its local gradient there.
+Missed = Literal["keep", "last_update", "local"]
+MISSED: tuple[str, ...] = get_args(Missed)
+
+
+def _expecting(expected: str) -> WrapValidator:
+    """A field refused in words that say what it takes (`expected ..., got ...`), alike in a
+    scenario and in a constructor called directly; its constraints, and so the JSON Schema,
+    stay the field's own."""
+
+    def refuse_in_words(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        try:
+            return handler(value)
+        except ValidationError:
+            raise PydanticCustomError("expected", "expected {expected}, got {got}",
+                                      {"expected": expected, "got": repr(value)}) from None
+
+    return WrapValidator(refuse_in_words)
 
 
 class LossyOptions(CollectiveOptions):
@@ -166,19 +224,22 @@ class LossyOptions(CollectiveOptions):
                                   "deadline may be.")
     deadline_ceiling: float = Field(default=5.0, gt=0, description="Most seconds the learned "
                                     "deadline may be.")
-    straggler_timeout: float = Field(default=5.0, gt=0, description="Seconds a peer that is "
-                                     "behind (its first chunk of a phase not yet sent) is "
-                                     "waited for.")
-    settle: PositiveFloat | Literal["auto"] | None = Field(
+    straggler_timeout: Annotated[float, _expecting("seconds > 0")] = Field(
+        default=5.0, gt=0, description="Seconds a peer that is behind (its first chunk of a "
+        "phase not yet sent) is waited for.")
+    settle: Annotated[PositiveFloat | Literal["auto"] | None, _expecting(
+        "seconds > 0, 'auto' (learned) or null (wait to the deadline)")] = Field(
         default="auto", description="Seconds of quiet after every sender's stream ended before a "
         "phase closes (auto: learned between 1 and 10 ms from what came late; null: wait to "
         "the deadline).")
-    resync_every: int = Field(default=0, ge=0, description="Every N steps the broadcast goes "
-                              "reliably over TCP, so every copy is exact again (0: never).")
-    parity: int = Field(default=4, ge=0, description="Broadcast chunks per XOR parity chunk, "
-                        "from which a receiver rebuilds one lost chunk of each group (0: no "
-                        "parity; 1: every chunk twice). Costs 1/parity more broadcast bytes.")
-    missed: Literal["keep", "last_update", "local"] = Field(
+    resync_every: Annotated[int, _expecting("0 (never) or more")] = Field(
+        default=0, ge=0, description="Every N steps the broadcast goes reliably over TCP, so "
+        "every copy is exact again (0: never).")
+    parity: Annotated[int, _expecting("0 (none) or the chunks per parity chunk")] = Field(
+        default=4, ge=0, description="Broadcast chunks per XOR parity chunk, from which a "
+        "receiver rebuilds one lost chunk of each group (0: no parity; 1: every chunk twice). "
+        "Costs 1/parity more broadcast bytes.")
+    missed: Annotated[Missed, _expecting(f"one of {', '.join(MISSED)}")] = Field(
         default="keep", description="What a worker's copy holds where it missed a chunk of an "
         "owner's parameter broadcast (strategy sharded): keep (its stale value), last_update "
         "(that plus the last update it received there, per step missed), local (that plus its "
@@ -188,6 +249,19 @@ class LossyOptions(CollectiveOptions):
                          "the call (two more exchanges per call).")
     timeout: float = Field(default=30.0, gt=0, description=TIMEOUT_HELP)
     rendezvous_timeout: float = Field(default=300.0, gt=0, description=RENDEZVOUS_HELP)
+
+    @model_validator(mode="after")
+    def _deadlines_in_order(self) -> Self:
+        """The transfer deadline starts at deadline_initial and is learned within
+        [deadline_floor, deadline_ceiling]."""
+        floor, initial, ceiling = self.deadline_floor, self.deadline_initial, self.deadline_ceiling
+        if floor > ceiling:
+            raise ValueError(f"deadline_floor: expected at most deadline_ceiling ({ceiling!r}), "
+                             f"got {floor!r}")
+        if not floor <= initial <= ceiling:
+            raise ValueError(f"deadline_initial: expected deadline_floor to deadline_ceiling "
+                             f"({floor!r} to {ceiling!r}), got {initial!r}")
+        return self
 
     def strategy_problem(self, strategy: str) -> tuple[str, str] | None:
         if self.missed != "keep" and strategy != "sharded":

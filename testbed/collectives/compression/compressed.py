@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-from testbed.collectives.base import AllReduceStats, Capabilities, CollectiveBase
+from testbed.collectives.base import AllReduceStats, CollectiveBase
+from testbed.collectives.capabilities import Capabilities
 from testbed.collectives.compression import quantize as q
 from testbed.collectives.compression.exchange import Shift, all_gather, mesh_shift
 from testbed.collectives.compression.powersgd import PowerSGD
