@@ -49,12 +49,14 @@ from netem.plan import (
     Ifb,
     IngressQdisc,
     NetemLeaf,
+    Network,
     NftLoss,
     Offloads,
     Plan,
     Redirect,
     RootHtb,
     Rules,
+    Source,
     SourceFilter,
     Step,
     UnsupportedByKernel,
@@ -62,13 +64,17 @@ from netem.plan import (
     ifb_name,
     netns_prefix,
     nft_chain,
+    parse_source,
     render_commands,
     source_key,
 )
 from netem.profile import LinkProfile
 
-ETH_P_ALL, ETH_P_IP = 0x0003, 0x0800
-IP_SRC_OFFSET = 12  # of the source address in the IPv4 header, where u32 matches it
+ETH_P_ALL = 0x0003
+ETHER_TYPES = {4: 0x0800, 6: 0x86DD}  # by IP version: the filter's protocol
+IP_SRC_OFFSETS = {4: 12, 6: 8}  # of the source address in the IP header, where u32 matches it
+NETWORKS = {4: ipaddress.IPv4Network, 6: ipaddress.IPv6Network}
+ADDRESS_BITS = {4: ipaddress.IPV4LENGTH, 6: ipaddress.IPV6LENGTH}
 U32_SEL = struct.Struct("=BBBxHHhhI")  # struct tc_u32_sel, followed by its keys
 U32_KEY = struct.Struct("=4s4sii")  # struct tc_u32_key: mask, value (network order), off, offmask
 NFT_FAMILIES: dict[Direction, str] = {"egress": "netdev", "ingress": "ip"}
@@ -129,11 +135,12 @@ def apply(
 ) -> AppliedShaping:
     """Shape `iface` (in `netns`, a name or path; None: this namespace) as `rules` say.
 
-    `rules` maps a source IPv4 address or network to the profile of the traffic it sends
-    through `iface`; None is everyone else (a perfect link unless given). A profile alone is one
-    rule for everyone. Whatever shaping the interface had is replaced. Offloads are turned off
-    on the interface (see netem.offload). Raises UnsupportedByKernel before touching anything
-    when the backend cannot do what is asked.
+    `rules` maps a source (an IPv4 or IPv6 address or network, or a tuple of them that share
+    one class) to the profile of the traffic it sends through `iface`; None is everyone else (a
+    perfect link unless given). A profile alone is one rule for everyone. Whatever shaping the
+    interface had is replaced. Offloads are turned off on the interface (see netem.offload).
+    Raises UnsupportedByKernel before touching anything when the backend cannot do what is
+    asked.
     """
     plan = build_plan(iface, rules, direction=direction, backend=usable(backend))
     clear(iface, netns=netns)
@@ -266,10 +273,10 @@ class _Run:
                 ipr.tc(verb, "pfifo", index=_index(ipr, device), handle=handle, parent=parent,
                        limit=limit)
             case SourceFilter(device=device, prio=prio, source=source, classid=classid):
-                network = ipaddress.IPv4Network(source)
-                key = f"{int(network.network_address):#010x}/{int(network.netmask):#010x}"
+                network = parse_source(source)
                 ipr.tc("add-filter", "u32", index=_index(ipr, device), parent=ROOT, prio=prio,
-                       protocol=ETH_P_IP, target=classid, keys=[f"{key}+{IP_SRC_OFFSET}"])
+                       protocol=ETHER_TYPES[network.version], target=classid,
+                       keys=_u32_keys(network))
             case IngressQdisc(device=device):
                 ipr.tc("add", "ingress", index=_index(ipr, device))
             case Redirect(device=device, ifb=ifb):
@@ -321,9 +328,15 @@ def _installed(ipr: IPRoute, iface: str, netns: str | None) -> Plan | None:
             "made by netem.apply (clear it first)"
         )
     backend: Backend = "netem" if kinds == {"netem"} else "fallback"
-    sources = {classid: source for _, source, classid in _source_filters(ipr, device_index)}
+    matched: dict[int, list[str]] = {}  # class -> its sources, by prio
+    for _, source, classid in _source_filters(ipr, device_index):
+        matched.setdefault(classid, []).append(source)
+    sources: dict[int, Source] = {
+        classid: found[0] if len(found) == 1 else tuple(found)
+        for classid, found in matched.items()
+    }
     losses = _nft_losses(direction, iface, netns) if backend == "fallback" else {}
-    rules: dict[str | None, LinkProfile] = {}
+    rules: dict[Source | None, LinkProfile] = {}
     for classid in (*sources, ROOT | DEFAULT_MINOR):
         source, found = sources.get(classid), classes[classid]
         if backend == "netem":
@@ -331,7 +344,7 @@ def _installed(ipr: IPRoute, iface: str, netns: str | None) -> Plan | None:
                                                annotate=_annotation_key(netns, device))
         else:
             rate = None if found.rate == UNLIMITED else found.rate
-            loss = losses.get(source, 0.0)
+            loss = losses.get(matched[classid][0] if classid in matched else None, 0.0)
             rules[source] = LinkProfile(loss=loss, rate=rate, limit=found.limit)
     return build_plan(iface, rules, direction=direction, backend=backend)
 
@@ -347,7 +360,8 @@ def _htb_class(message: Any, leaf: Any) -> _Class:
 
 
 def _source_filters(ipr: IPRoute, index: int) -> list[tuple[int, str, int]]:
-    """(prio, source, class) of the u32 `match ip src` filters on the htb root, by prio."""
+    """(prio, source, class) of the u32 `match ip src` and `match ip6 src` filters on the htb
+    root, by prio."""
     found = []
     for message in ipr.get_filters(index=index, parent=ROOT):
         options = message.get_attr("TCA_OPTIONS")
@@ -360,20 +374,41 @@ def _source_filters(ipr: IPRoute, index: int) -> list[tuple[int, str, int]]:
     return sorted(found)
 
 
+def _u32_keys(network: Network) -> list[str]:
+    """u32 keys ("value/mask+offset") that match `network` as the source: one per 32-bit word
+    of the address that the prefix reaches into (at least one), as `tc` makes them."""
+    address, mask, bits = int(network.network_address), int(network.netmask), network.max_prefixlen
+    keys = []
+    for word in range(max(1, -(-network.prefixlen // 32))):
+        shift = bits - 32 * (word + 1)
+        keys.append(f"{address >> shift & 0xFFFFFFFF:#010x}/{mask >> shift & 0xFFFFFFFF:#010x}"
+                    f"+{IP_SRC_OFFSETS[network.version] + 4 * word}")
+    return keys
+
+
 def _u32_source(selector: Any) -> str:
-    """The source of a one-key u32 selector on the IPv4 source address. Decoded here from the
-    raw attribute: pyroute2 0.9.7 reads the keys 4 bytes off."""
+    """The source of a u32 selector made by `_u32_keys` (IPv4: one key at the source address;
+    IPv6: a key per word from its start). Decoded here from the raw attribute: pyroute2 0.9.7
+    reads the keys 4 bytes off."""
     start = selector.offset + 4  # past the attribute's own header
     nkeys = U32_SEL.unpack_from(selector.data, start)[2]
     keys = [
         U32_KEY.unpack_from(selector.data, start + U32_SEL.size + n * U32_KEY.size)
         for n in range(nkeys)
     ]
-    if len(keys) != 1 or keys[0][2] != IP_SRC_OFFSET:
+    offsets = [key[2] for key in keys]
+    version = next((v for v, first in IP_SRC_OFFSETS.items()
+                    if 0 < len(keys) <= ADDRESS_BITS[v] // 32
+                    and offsets == list(range(first, first + 4 * len(keys), 4))), None)
+    if version is None:
         raise ValueError(f"a u32 filter with keys {keys}: not a source match of netem.apply")
-    mask, value, _, _ = keys[0]
-    prefix = int.from_bytes(mask, "big").bit_count()
-    return source_key(ipaddress.IPv4Network((int.from_bytes(value, "big"), prefix)))
+    bits = ADDRESS_BITS[version]
+    value = mask = 0
+    for n, (word_mask, word, _, _) in enumerate(keys):
+        shift = bits - 32 * (n + 1)
+        value |= int.from_bytes(word, "big") << shift
+        mask |= int.from_bytes(word_mask, "big") << shift
+    return source_key(NETWORKS[version]((value, mask.bit_count())))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -454,7 +489,7 @@ def _nft_losses(direction: Direction, iface: str, netns: str | None) -> dict[str
                 if left["numgen"]["mod"] != LOSS_MODULUS:
                     raise ValueError(f"{chain}: a numgen rule not made by netem.apply: {item}")
                 cut = right
-        key = None if source is None else source_key(ipaddress.IPv4Network(source))
+        key = None if source is None else source_key(parse_source(source))
         losses[key] = round(cut / LOSS_MODULUS, 9)
     return losses
 

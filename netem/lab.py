@@ -7,6 +7,10 @@ store, say) listen there, reachable from every host over the bridge without bein
 hosts, so shaping the links between hosts can leave their traffic alone. Every name starts with
 the lab's prefix, which is how `clean` finds what a killed run left behind.
 
+Every host has an IPv6 address beside its IPv4 one, numbered alike (host i is the (i + 1)th of
+each subnet: 198.18.0.1 and fd00:7e57::1 for host 0), without duplicate address detection, so it
+is usable at once.
+
 Every veth runs with segmentation and aggregation offloads off (netem.offload): a sender's
 super-packets would otherwise cross the bridge whole, and a shaped switch port would drop and
 meter 64 KB at a time instead of wire-sized frames.
@@ -25,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pyroute2 import IPRoute, netns
+from pyroute2.netlink.rtnl.ifaddrmsg import IFA_F_NODAD
 
 from netem.lifecycle import StartsOnEnter
 from netem.namespace import netlink_in
@@ -32,18 +37,20 @@ from netem.offload import set_offloads
 
 NAME_PREFIX = "tb"
 DEFAULT_SUBNET = "198.18.0.0/24"  # RFC 2544 benchmarking range: never routed anywhere
+DEFAULT_SUBNET6 = "fd00:7e57::/64"  # a unique local (RFC 4193) /64: never routed anywhere
 PARALLEL_HOSTS = 8  # threads adding hosts
 OWNERS = Path("/run/netem-testbed/labs")  # one file per live lab: "<pid> <process start time>"
 
 
 @dataclass(frozen=True)
 class Host:
-    """One host of a lab: its namespace, its interface there and its address."""
+    """One host of a lab: its namespace, its interface there and its addresses."""
 
     index: int
     netns: str
     iface: str
-    address: str
+    address: str  # IPv4
+    address6: str  # IPv6
     switch_port: str
 
 
@@ -54,6 +61,7 @@ class Lab(StartsOnEnter):
     size: int
     prefix: str = field(default_factory=lambda: f"{NAME_PREFIX}{secrets.token_hex(2)}")
     subnet: str = DEFAULT_SUBNET
+    subnet6: str = DEFAULT_SUBNET6
     mtu: int = 1500
     hosts: list[Host] = field(default_factory=list, init=False)
     # pyroute2 forks helpers that carry a copy of this object; a copy that unwinds (a signal in
@@ -69,12 +77,20 @@ class Lab(StartsOnEnter):
         """The bridge's own address in the switch namespace: the subnet's last usable one."""
         return str(ipaddress.ip_network(self.subnet).broadcast_address - 1)
 
+    def addresses(self, index: int) -> tuple[str, str]:
+        """Host `index`'s IPv4 and IPv6 addresses (known before the lab starts)."""
+        ipv4, ipv6 = (ipaddress.ip_network(subnet).network_address + index + 1
+                      for subnet in (self.subnet, self.subnet6))
+        return str(ipv4), str(ipv6)
+
     def start(self) -> None:
         self._builder = os.getpid()
         network = ipaddress.ip_network(self.subnet)
         most = network.num_addresses - 3  # less the network, broadcast and switch addresses
-        if self.size < 1 or self.size > most:
-            raise ValueError(f"size: a lab on {self.subnet} holds 1..{most} hosts")
+        most6 = ipaddress.ip_network(self.subnet6).num_addresses - 1  # less the subnet's own
+        if self.size < 1 or self.size > min(most, most6):
+            raise ValueError(f"size: a lab on {self.subnet} and {self.subnet6} holds "
+                             f"1..{min(most, most6)} hosts")
         OWNERS.mkdir(parents=True, exist_ok=True)
         (OWNERS / self.prefix).write_text(process_identity(os.getpid()))
         _create_namespace(self.switch)
@@ -90,7 +106,7 @@ class Lab(StartsOnEnter):
         # so threads add them, each with a socket of its own in the switch.
         def add(indices: range) -> list[Host]:
             with netlink_in(self.switch) as switch:
-                return [self._add_host(switch, bridge, network, index) for index in indices]
+                return [self._add_host(switch, bridge, index) for index in indices]
 
         threads = min(PARALLEL_HOSTS, self.size)
         with ThreadPoolExecutor(threads) as pool:
@@ -98,12 +114,14 @@ class Lab(StartsOnEnter):
             self.hosts.extend(sorted((host for hosts in added for host in hosts),
                                      key=lambda host: host.index))
 
-    def _add_host(self, switch: IPRoute, bridge: int, network, index: int) -> Host:
+    def _add_host(self, switch: IPRoute, bridge: int, index: int) -> Host:
+        address, address6 = self.addresses(index)
         host = Host(
             index=index,
             netns=f"{self.prefix}-h{index}",
             iface="eth0",
-            address=str(network.network_address + index + 1),
+            address=address,
+            address6=address6,
             switch_port=f"p{index}",
         )
         _create_namespace(host.netns)
@@ -118,7 +136,10 @@ class Lab(StartsOnEnter):
         with netlink_in(host.netns) as ns:
             (iface,) = ns.link_lookup(ifname=host.iface)
             ns.link("set", index=iface, mtu=self.mtu, state="up")
-            ns.addr("add", index=iface, address=host.address, prefixlen=network.prefixlen)
+            ns.addr("add", index=iface, address=host.address,
+                    prefixlen=ipaddress.ip_network(self.subnet).prefixlen)
+            ns.addr("add", index=iface, address=host.address6,
+                    prefixlen=ipaddress.ip_network(self.subnet6).prefixlen, flags=IFA_F_NODAD)
             ns.link("set", index=ns.link_lookup(ifname="lo")[0], state="up")
         set_offloads(host.switch_port, netns=self.switch)
         set_offloads(host.iface, netns=host.netns)

@@ -1,9 +1,11 @@
 """Shaping plans: what goes on which device, as plain data, before anything touches a kernel.
 
 A plan is built from an interface, a direction and rules ({source: profile}; None is everyone
-else). It is a list of small steps, each of which renders to the `tc`/`nft`/`ip`/`ethtool`
-command line doing the same thing (`render_commands`, for dry runs), and which
-`netem.backend` carries out through netlink. Nothing here needs root or does I/O.
+else; a source is an IPv4 or IPv6 address or network, or a tuple of them that are one sender,
+such as a host's IPv4 and IPv6 addresses: they share one class, so one link). It is a list of
+small steps, each of which renders to the `tc`/`nft`/`ip`/`ethtool` command line doing the same
+thing (`render_commands`, for dry runs), and which `netem.backend` carries out through netlink.
+Nothing here needs root or does I/O.
 
 Where the shaping happens (DESIGN: shape where the wire is): a drop on the sender's own egress is
 seen by its stack (TCP retransmits at once, UDP gets an error), so links are shaped
@@ -16,6 +18,7 @@ The tree, on the interface (egress) or its ifb (ingress):
 
     htb 1: (default 1:1)
     ├── class 1:2 ─ leaf 102:     u32 `match ip src A` prio 1 -> 1:2   (most specific first)
+    │                             u32 `match ip6 src A6` prio 3 -> 1:2 (IPv6 after IPv4)
     ├── class 1:3 ─ leaf 103:     u32 `match ip src B` prio 2 -> 1:3
     └── class 1:1 ─ leaf 101:     everyone else (the None rule)
 
@@ -41,7 +44,9 @@ from netem.units import format_rate
 
 Direction = Literal["egress", "ingress"]
 Backend = Literal["netem", "fallback"]
-Rules = Mapping[str | None, LinkProfile]
+Source = str | tuple[str, ...]  # one address or network, or several that are one sender's
+Rules = Mapping[Source | None, LinkProfile]
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 ROOT = 0x10000  # the htb root, "1:"
 DEFAULT_MINOR = 1  # class 1:1 takes whatever no source filter claims
@@ -64,12 +69,20 @@ class UnsupportedByKernel(ProfileError):
 
 @dataclass(frozen=True)
 class Rule:
-    """One traffic class: its source (a normalised IPv4 address or network; None for everyone
-    else) and its profile. `minor` numbers the htb class 1:minor."""
+    """One traffic class: its source (a normalised address or network, a tuple of them for a
+    sender with several; None for everyone else) and its profile. `minor` numbers the htb class
+    1:minor."""
 
-    source: str | None
+    source: Source | None
     profile: LinkProfile
     minor: int
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        """Every address or network the class takes (none for everyone else's)."""
+        if self.source is None:
+            return ()
+        return self.source if isinstance(self.source, tuple) else (self.source,)
 
     @property
     def classid(self) -> int:
@@ -176,7 +189,7 @@ class FifoLeaf(Step):
 
 @dataclass(frozen=True)
 class SourceFilter(Step):
-    """Sends IPv4 packets from `source` to a class; lower `prio` is tried first."""
+    """Sends IPv4 or IPv6 packets from `source` to a class; lower `prio` is tried first."""
 
     device: str
     prio: int
@@ -184,9 +197,11 @@ class SourceFilter(Step):
     classid: int
 
     def commands(self) -> list[str]:
+        header = address_header(self.source)
+        protocol = "ip" if header == "ip" else "ipv6"
         return [
-            f"tc filter add dev {self.device} parent {format_handle(ROOT)} protocol ip prio "
-            f"{self.prio} u32 match ip src {ipaddress.IPv4Network(self.source)} flowid "
+            f"tc filter add dev {self.device} parent {format_handle(ROOT)} protocol {protocol} "
+            f"prio {self.prio} u32 match {header} src {parse_source(self.source)} flowid "
             f"{format_handle(self.classid)}"
         ]
 
@@ -225,10 +240,11 @@ class NftLoss(Step):
       is the first place after the ifb's rate where they can be dropped: on the receiver's side,
       never in the sender's OUTPUT (which would hand the sender an error instead of a loss).
 
-    Rules go in the classes' order (most specific source first); a matched source ends the chain
-    with `accept` so the default's rule never sees it. Drops use `numgen random mod 10^9 < k`,
-    exact on a profile's 1e-9 grid; 100% loss is a plain `drop`. Only IPv4 is dropped (like
-    the u32 classes, which are IPv4).
+    Rules go in the filters' order (per family, most specific source first); a matched source
+    ends the chain with `accept` so the default's rule never sees it. Drops use `numgen random
+    mod 10^9 < k`, exact on a profile's 1e-9 grid; 100% loss is a plain `drop`. A source's rules
+    match its family (`ip saddr`, `ip6 saddr`); the default's drops IPv4 only, and so does the
+    ingress chain, whose family is `ip` (`build_plan` refuses lossy IPv6 sources there).
     """
 
     direction: Direction
@@ -259,7 +275,7 @@ class NftLoss(Step):
             f"flush chain {where}",
         ]
         for source, loss in self.losses:
-            selector = f"ip saddr {source} " if source is not None else everyone
+            selector = everyone if source is None else f"{address_header(source)} saddr {source} "
             cut = round(loss * LOSS_MODULUS)
             if cut >= LOSS_MODULUS:  # nft refuses `< 10^9` on a mod-10^9 number: drop all
                 lines.append(f"add rule {where} {match}{selector}drop")
@@ -301,6 +317,12 @@ class Plan:
                 tuple(_slot_table(rule.profile) for rule in self.rules))
 
     def profiles(self) -> dict[str | None, LinkProfile]:
+        """{source: profile} with each address or network on its own (what `show` answers)."""
+        return {source: rule.profile for rule in self.rules for source in rule.sources or [None]}
+
+    def as_rules(self) -> dict[Source | None, LinkProfile]:
+        """The rules as `build_plan` takes them, a sender's sources together: they build this
+        plan again."""
         return {rule.source: rule.profile for rule in self.rules}
 
 
@@ -326,7 +348,7 @@ def build_plan(
     check_iface(iface)
     ordered = normalize_rules(rules)
     if backend == "fallback":
-        _check_fallback(ordered)
+        _check_fallback(ordered, direction)
     device = iface if direction == "egress" else ifb_name(iface)
     steps: list[Step] = [Offloads(iface)]
     if direction == "ingress":
@@ -339,60 +361,98 @@ def build_plan(
             steps.append(NetemLeaf(device, rule.classid, rule.leaf, rule.profile))
         else:
             steps.append(FifoLeaf(device, rule.classid, rule.leaf, rule.profile.limit))
+    matches = source_matches(ordered)
     steps += [
-        SourceFilter(device, prio, rule.source, rule.classid)
-        for prio, rule in enumerate(ordered, start=1)
-        if rule.source is not None
+        SourceFilter(device, prio, source, rule.classid)
+        for prio, (source, rule) in enumerate(matches, start=1)
     ]
     if backend == "fallback" and any(rule.profile.loss for rule in ordered):
-        losses = tuple((rule.source, rule.profile.loss) for rule in ordered)
-        steps.append(NftLoss(direction, iface, losses))
+        losses = ((source, rule.profile.loss) for source, rule in matches)
+        steps.append(NftLoss(direction, iface, (*losses, (None, ordered[-1].profile.loss))))
     if direction == "ingress":
         steps += [IngressQdisc(iface), Redirect(iface, device)]
     return Plan(iface, direction, backend, ordered, tuple(steps))
 
 
 def normalize_rules(rules: Rules | LinkProfile) -> tuple[Rule, ...]:
-    """Rules in class order: sources by prefix length, longest first (ties keep their order),
-    then the default (None), which is always there (a perfect link unless given)."""
+    """Rules in class order: sources by family (IPv4 first) and prefix length, longest first
+    (ties keep their order; a sender with several goes by its most specific one), then the
+    default (None), which is always there (a perfect link unless given)."""
     if isinstance(rules, LinkProfile):
         rules = {None: rules}
-    sources: dict[ipaddress.IPv4Network, LinkProfile] = {}
+    sources: dict[tuple[Network, ...], LinkProfile] = {}
+    seen: set[Network] = set()
     for key, profile in rules.items():
         if not isinstance(profile, LinkProfile):
             raise TypeError(f"rules[{key!r}]: expected a LinkProfile, got {type(profile).__name__}")
         if key is None:
             continue
-        network = parse_source(key)
-        if network in sources:
-            raise ValueError(f"rules: source {key!r} is given twice (as {network})")
-        sources[network] = profile
+        networks = sorted((parse_source(one) for one in _each_source(key)), key=_specificity)
+        for network in networks:
+            if network in seen:
+                raise ValueError(f"rules: source {key!r} is given twice (as {network})")
+            seen.add(network)
+        sources[tuple(networks)] = profile
     if len(sources) + 1 > MAX_RULES:
         raise ValueError(f"rules: at most {MAX_RULES - 1} sources, got {len(sources)}")
-    ordered = sorted(sources, key=lambda network: -network.prefixlen)
+    ordered = sorted(sources, key=lambda networks: _specificity(networks[0]))
     return (
         *(
-            Rule(source_key(network), sources[network], minor)
-            for minor, network in enumerate(ordered, start=DEFAULT_MINOR + 1)
+            Rule(_rule_key(networks), sources[networks], minor)
+            for minor, networks in enumerate(ordered, start=DEFAULT_MINOR + 1)
         ),
         Rule(None, rules.get(None, LinkProfile()), DEFAULT_MINOR),
     )
 
 
-def parse_source(key: str) -> ipaddress.IPv4Network:
-    """An IPv4 address or network (host bits clear), as a rule's source."""
+def _each_source(key: Source) -> tuple[str, ...]:
+    if isinstance(key, tuple):
+        if not key:
+            raise ValueError("rules: a source () names no address; use None for everyone else")
+        return key
+    return (key,)
+
+
+def _rule_key(networks: tuple[Network, ...]) -> Source:
+    keys = tuple(source_key(network) for network in networks)
+    return keys[0] if len(keys) == 1 else keys
+
+
+def _specificity(network: Network) -> tuple[int, int]:
+    """Sorts sources into the filters' order: per family (IPv4 first), longest prefix first."""
+    return network.version, -network.prefixlen
+
+
+def source_matches(rules: tuple[Rule, ...]) -> list[tuple[str, Rule]]:
+    """(source, its rule) for every source of every rule, in the order the filters and the nft
+    rules try them: per family, longest prefix first, so a host with its own rule is never
+    caught by its network's (ties keep the classes' order)."""
+    matches = [(source, rule) for rule in rules for source in rule.sources]
+    return sorted(matches, key=lambda match: _specificity(parse_source(match[0])))
+
+
+def parse_source(key: str) -> Network:
+    """An IPv4 or IPv6 address or network (host bits clear), as a rule's source."""
     try:
-        return ipaddress.IPv4Network(key)
+        return ipaddress.ip_network(key)
     except ValueError as exc:
         raise ValueError(
-            f"rules: source {key!r} is not an IPv4 address or network ({exc}); "
+            f"rules: source {key!r} is not an IPv4 address or network, nor an IPv6 one ({exc}); "
             "use None for everyone else"
         ) from None
 
 
-def source_key(network: ipaddress.IPv4Network) -> str:
-    """How a source is written in rules: '198.18.0.1' for one host, '198.18.0.0/24' else."""
-    return str(network.network_address) if network.prefixlen == 32 else str(network)
+def source_key(network: Network) -> str:
+    """How a source is written in rules: '198.18.0.1' or 'fd00:7e57::1' for one host,
+    '198.18.0.0/24' else."""
+    if network.prefixlen == network.max_prefixlen:
+        return str(network.network_address)
+    return str(network)
+
+
+def address_header(source: str) -> str:
+    """What tc's u32 and nft call the header a source is matched in: `ip` or `ip6`."""
+    return "ip" if parse_source(source).version == 4 else "ip6"
 
 
 def check_iface(iface: str) -> None:
@@ -443,19 +503,29 @@ def _check_choice(name: str, value: str, choices: object) -> None:
         raise ValueError(f"{name}: expected one of {', '.join(allowed)}, got {value!r}")
 
 
-def _check_fallback(rules: tuple[Rule, ...]) -> None:
-    """The fallback does loss (nft), rate (htb) and the queue limit (pfifo), nothing else."""
+def _check_fallback(rules: tuple[Rule, ...], direction: Direction) -> None:
+    """The fallback does loss (nft), rate (htb) and the queue limit (pfifo), nothing else; at
+    ingress its loss sees IPv4 only."""
     problems = []
     for rule in rules:
         unsupported = sorted(set(rule.profile.model_dump(exclude_defaults=True)) - FALLBACK_FIELDS)
         if unsupported:
-            who = "everyone else" if rule.source is None else f"from {rule.source}"
+            who = "everyone else" if rule.source is None else f"from {', '.join(rule.sources)}"
             problems.append(f"{', '.join(unsupported)} ({who})")
         if rule.profile.rate is not None and rule.profile.rate >= UNLIMITED:
             raise ProfileError(
                 f"rate: the fallback's htb classes take less than {format_rate(UNLIMITED)}, got "
                 f"{format_rate(rule.profile.rate)}"
             )
+    lossy_ipv6 = [source for rule in rules if rule.profile.loss for source in rule.sources
+                  if parse_source(source).version == 6]
+    if direction == "ingress" and lossy_ipv6:
+        raise UnsupportedByKernel(
+            f"the fallback cannot drop IPv6 at ingress (loss from {', '.join(lossy_ipv6)}): its "
+            "ingress chain is nftables family ip, which sees IPv4 only. Shape on egress (as a "
+            "Lab's switch ports are) or with netem, in the UML sandbox: "
+            "`python -m netem.sandbox run -- CMD` (docs/sandbox.md)"
+        )
     if problems:
         raise UnsupportedByKernel(
             f"the fallback cannot shape {'; '.join(problems)}: these need sch_netem, which this "

@@ -152,7 +152,7 @@ class Session:
                           if step not in installed.steps or isinstance(step, NftLoss))
             carry_out(dataclasses.replace(plan, steps=steps), self.netns, change=True)
         else:
-            apply(plan.iface, plan.profiles(), netns=self.netns, direction=self.direction,
+            apply(plan.iface, plan.as_rules(), netns=self.netns, direction=self.direction,
                   backend=self.backend)
         self._plans[plan.iface] = plan
 

@@ -10,6 +10,9 @@ kernel stamps the datagram (SO_TIMESTAMPNS, the same clock of the same kernel) w
 destination namespace, so how late the receiving loop gets to run (slow in a UML guest) never
 enters the one-way delay.
 
+Probes go over IPv4 or IPv6, as the destination address is; over IPv6 the zero UDP checksum
+needs a socket option at both ends (RFC 6936 allows it; Linux asks for it explicitly).
+
 Throughput comes from a separate bulk train of MTU-sized datagrams sent with UDP segmentation
 offload (one system call per ~44 datagrams: a UML guest cannot send 100 Mbit/s otherwise), from
 the spacing of their kernel arrival stamps while the shaper's queue is kept busy.
@@ -28,7 +31,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from netem.namespace import NamespaceError, udp_socket_in
+from netem.namespace import NamespaceError, inside
 from netem.probe.analysis import ProbeResult, Train, analyze, bulk_rate
 from netem.probe.wire import (
     FRAME_OVERHEAD,
@@ -62,16 +65,38 @@ LINGER_MARGIN = 0.05  # extra wait after an end marker for probes still held by 
 # Linux socket options that Python's socket module does not name.
 SO_NO_CHECK, SO_RCVBUFFORCE, SO_TIMESTAMPNS, SO_RXQ_OVFL = 11, 33, 35, 40
 UDP_SEGMENT, IP_MTU = 103, 14
+UDP_NO_CHECK6_TX, UDP_NO_CHECK6_RX, IPV6_MTU = 101, 102, 24
 RECEIVE_BUFFER = 64 << 20  # holds a whole bulk train that is drained only after it was sent
 GSO_MAX_BYTES = 65_000
 GSO_MAX_SEGMENTS = 64
 _ANCILLARY = socket.CMSG_SPACE(16) + socket.CMSG_SPACE(4)
 
 
-def _udp_socket(netns: str | None) -> socket.socket:
+@dataclass(frozen=True)
+class _Family:
+    """What differs between probing over IPv4 and over IPv6."""
+
+    family: socket.AddressFamily
+    headers: int  # bytes of IP and UDP header in front of a payload
+    mtu: tuple[int, int]  # the option that reads a connected socket's path MTU
+    send_unchecked: tuple[int, int]  # the sender's option for a zero UDP checksum
+    take_unchecked: tuple[int, int] | None  # the receiver's, where it needs one
+
+
+FAMILIES = {
+    4: _Family(socket.AF_INET, 20 + 8, (socket.IPPROTO_IP, IP_MTU),
+               (socket.SOL_SOCKET, SO_NO_CHECK), None),
+    6: _Family(socket.AF_INET6, 40 + 8, (socket.IPPROTO_IPV6, IPV6_MTU),
+               (socket.IPPROTO_UDP, UDP_NO_CHECK6_TX), (socket.IPPROTO_UDP, UDP_NO_CHECK6_RX)),
+}
+ETHERNET_HEADER = FRAME_OVERHEAD - FAMILIES[4].headers
+
+
+def _udp_socket(netns: str | None, family: _Family) -> socket.socket:
     """A UDP socket in `netns`; a namespace that cannot be entered is a ProbeError."""
     try:
-        return udp_socket_in(netns)
+        with inside(netns):
+            return socket.socket(family.family, socket.SOCK_DGRAM)
     except NamespaceError as exc:
         raise ProbeError(str(exc)) from None
 
@@ -85,14 +110,17 @@ class _Receiver:
         netns: str | None,
         address: str,
         *,
+        family: _Family,
         run: int,
         size: int,
         keep: int,
         capacity: int,
     ) -> None:
         self.run, self.size, self.keep, self.capacity = run, size, keep, capacity
-        self.sock = _udp_socket(netns)
+        self.sock = _udp_socket(netns, family)
         try:
+            if family.take_unchecked is not None:
+                self.sock.setsockopt(*family.take_unchecked, 1)
             self.sock.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, RECEIVE_BUFFER)
             self.sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
             self.sock.setsockopt(socket.SOL_SOCKET, SO_RXQ_OVFL, 1)
@@ -186,13 +214,14 @@ class _Sender:
         netns: str | None,
         destination: tuple[str, int],
         *,
+        family: _Family,
         run: int,
         size: int,
         checksum: bool,
     ) -> None:
-        self.sock = _udp_socket(netns)
+        self.sock = _udp_socket(netns, family)
         if not checksum:
-            self.sock.setsockopt(socket.SOL_SOCKET, SO_NO_CHECK, 1)
+            self.sock.setsockopt(*family.send_unchecked, 1)
         self.destination, self.run, self.size = destination, run, size
         self.buffer = bytearray(encode(run, 0, 0, size))
 
@@ -222,14 +251,12 @@ class _Sender:
         self.sock.close()
 
 
-def _check_address(address: str) -> str:
+def _family_of(address: str) -> _Family:
     try:
-        parsed = ipaddress.ip_address(address)
+        return FAMILIES[ipaddress.ip_address(address).version]
     except ValueError:
-        raise ProbeError(f"address: expected an IPv4 address, got {address!r}") from None
-    if parsed.version != 4:
-        raise ProbeError(f"address: probes are IPv4 only, got {address!r}")
-    return address
+        raise ProbeError(
+            f"address: expected an IPv4 address or an IPv6 one, got {address!r}") from None
 
 
 def _signal(receiver: _Receiver, sender: _Sender, kind: int, deadline: float) -> bool:
@@ -275,17 +302,19 @@ def run_train(
     end-of-train markers close it: the receiver stops once one arrived and the link can hold
     nothing more, or `timeout` seconds after the last probe was due.
     """
-    _check_address(address)
+    family = _family_of(address)
     if count < 1:
         raise ProbeError(f"count: expected at least 1 probe, got {count}")
     if size < HEADER.size:
         raise ProbeError(f"size: a probe needs at least {HEADER.size} bytes, got {size}")
     run = secrets.randbits(32)
     receiver = _Receiver(
-        destination, address, run=run, size=size, keep=size, capacity=2 * count + 1024
+        destination, address, family=family, run=run, size=size, keep=size,
+        capacity=2 * count + 1024,
     )
     try:
-        sender = _Sender(source, receiver.address, run=run, size=size, checksum=False)
+        sender = _Sender(source, receiver.address, family=family, run=run, size=size,
+                         checksum=False)
         try:
             _signal(receiver, sender, KIND_WARMUP, time.monotonic() + timeout)
             errors: list[int] = []
@@ -362,30 +391,32 @@ def measure_rate(
     segmentation-offload batches (one send per ~44), which is what lets a UML guest exceed
     100 Mbit/s; the receiver keeps only headers.
     """
-    _check_address(address)
+    family = _family_of(address)
     run = secrets.randbits(32)
-    probe_sock = _udp_socket(source)
+    probe_sock = _udp_socket(source, family)
     try:
         probe_sock.connect((address, 9))
-        mtu = probe_sock.getsockopt(socket.IPPROTO_IP, IP_MTU)
+        mtu = probe_sock.getsockopt(*family.mtu)
     except OSError as exc:
         raise ProbeError(f"no route to {address} from {source}: {exc.strerror}") from None
     finally:
         probe_sock.close()
-    size = mtu - 28
-    frame = size + FRAME_OVERHEAD
+    size = mtu - family.headers  # a datagram that fills the MTU
+    frame = mtu + ETHERNET_HEADER
     batch = max(1, min(GSO_MAX_SEGMENTS, GSO_MAX_BYTES // size))
     expected_frames = (offered or 10e9) * (duration + timeout) / (frame * 8)
     receiver = _Receiver(
         destination,
         address,
+        family=family,
         run=run,
         size=size,
         keep=HEADER.size,
         capacity=int(min(expected_frames, 1_000_000)) + 1024,
     )
     try:
-        sender = _Sender(source, receiver.address, run=run, size=size, checksum=True)
+        sender = _Sender(source, receiver.address, family=family, run=run, size=size,
+                         checksum=True)
         try:
             sender.sock.setsockopt(socket.IPPROTO_UDP, UDP_SEGMENT, size)
             sender.sock.connect(receiver.address)

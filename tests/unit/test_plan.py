@@ -76,12 +76,73 @@ def test_pairwise_rules_most_specific_source_first_default_last():
     }
 
 
+def test_ipv6_sources_are_matched_in_the_ipv6_header():
+    plan = build_plan("p1", {"fd00:7e57::/64": LOSSY, "fd00:7e57::1": WAN})
+    filters = [step for step in plan.steps if isinstance(step, SourceFilter)]
+    assert [step.commands()[0] for step in filters] == [
+        "tc filter add dev p1 parent 1: protocol ipv6 prio 1 u32 match ip6 src "
+        "fd00:7e57::1/128 flowid 1:2",
+        "tc filter add dev p1 parent 1: protocol ipv6 prio 2 u32 match ip6 src fd00:7e57::/64 "
+        "flowid 1:3",
+    ]
+    assert plan.profiles() == {"fd00:7e57::1": WAN, "fd00:7e57::/64": LOSSY, None: LinkProfile()}
+
+
+def test_a_senders_ipv4_and_ipv6_addresses_share_one_class():
+    """One link, whatever the family: one class, one leaf (one rate, one queue), a filter per
+    address; per family the most specific source is still tried first."""
+    host = ("fd00:7e57::1", "198.18.0.1")  # in any order
+    plan = build_plan("p2", {"198.18.0.0/24": LOSSY, host: WAN, "fd00:7e57::/64": LOSSY})
+    assert [(rule.source, rule.minor) for rule in plan.rules] == [
+        (("198.18.0.1", "fd00:7e57::1"), 2), ("198.18.0.0/24", 3), ("fd00:7e57::/64", 4),
+        (None, 1),
+    ]
+    assert sum(isinstance(step, NetemLeaf) for step in plan.steps) == 4
+    filters = [step for step in plan.steps if isinstance(step, SourceFilter)]
+    assert [(f.prio, f.source, f.classid) for f in filters] == [
+        (1, "198.18.0.1", 0x10002), (2, "198.18.0.0/24", 0x10003),
+        (3, "fd00:7e57::1", 0x10002), (4, "fd00:7e57::/64", 0x10004),
+    ]
+    # `show` answers per address; `as_rules` gives the rules that build the same plan again.
+    assert plan.profiles() == {"198.18.0.1": WAN, "fd00:7e57::1": WAN, "198.18.0.0/24": LOSSY,
+                               "fd00:7e57::/64": LOSSY, None: LinkProfile()}
+    assert build_plan("p2", plan.as_rules()) == plan
+    assert plan.layout != build_plan("p2", {"198.18.0.1": WAN, "fd00:7e57::1": WAN,
+                                            "198.18.0.0/24": LOSSY,
+                                            "fd00:7e57::/64": LOSSY}).layout
+
+
+def test_fallback_drops_ipv6_sources_by_their_ipv6_address():
+    plan = build_plan("p1", {("198.18.0.1", "fd00:7e57::1"): LOSSY, "fd00:7e57::2": LinkProfile()},
+                      backend="fallback")
+    (nft,) = [step for step in plan.steps if isinstance(step, NftLoss)]
+    where = "netdev netem_testbed egress_p1"
+    assert nft.statements()[3:] == [
+        f"add rule {where} ip saddr 198.18.0.1 numgen random mod 1000000000 < 200000000 drop",
+        f"add rule {where} ip saddr 198.18.0.1 accept",
+        f"add rule {where} ip6 saddr fd00:7e57::1 numgen random mod 1000000000 < 200000000 drop",
+        f"add rule {where} ip6 saddr fd00:7e57::1 accept",
+        f"add rule {where} ip6 saddr fd00:7e57::2 accept",
+    ]
+
+
+def test_fallback_ingress_refuses_ipv6_loss_it_cannot_see():
+    """The ingress chain is nft family ip: an IPv6 source's loss would silently not happen."""
+    with pytest.raises(UnsupportedByKernel, match="cannot drop IPv6 at ingress"):
+        build_plan("eth0", {"fd00:7e57::1": LOSSY}, direction="ingress", backend="fallback")
+    rate_only = build_plan("eth0", {"fd00:7e57::1": LinkProfile.parse(rate="10mbit")},
+                           direction="ingress", backend="fallback")
+    assert rate_only.profiles()["fd00:7e57::1"].rate == 10_000_000
+
+
 @pytest.mark.parametrize(
     ("rules", "message"),
     [
         ({"198.18.0.1": WAN, "198.18.0.1/32": LOSSY}, "given twice"),
         ({"198.18.0.1/24": WAN}, "has host bits set"),
-        ({"fe80::1": WAN}, "not an IPv4 address"),
+        ({"fd00:7e57::1/64": WAN}, "has host bits set"),
+        ({("198.18.0.1", "fd00:7e57::1"): WAN, "fd00:7e57::1/128": LOSSY}, "given twice"),
+        ({(): WAN}, "names no address"),
         ({"host-a": WAN}, "not an IPv4 address"),
     ],
 )
