@@ -14,7 +14,6 @@ time, the most workers per core that met it here. Writes benchmarks/results/capa
 from __future__ import annotations
 
 import argparse
-import datetime
 import itertools
 import json
 import os
@@ -27,7 +26,7 @@ from pathlib import Path
 
 import yaml
 
-from benchmarks import machine
+from benchmarks.report import Run
 from benchmarks.scale import scenario
 from testbed.cluster.runner import ClusterRun
 
@@ -99,16 +98,13 @@ def conclusion(figures: list[Figures], cores: int) -> list[str]:
     return lines
 
 
-def report(figures: list[Figures], command: str, started: datetime.datetime,
-           took: float, loads: tuple[str, str]) -> str:
+def report(figures: list[Figures], run: Run, loads: tuple[str, str]) -> str:
     cores = os.cpu_count() or 1
     lines = [
-        "# Capacity: workers per core at a given step time",
-        "",
-        f"{machine.written_by(command, started, took)} Load average (1, 5, 15 min) at the "
-        f"start: {loads[0]}; at the end: {loads[1]} (the runs' own workers count in it, and "
-        "so does any other job on the machine).",
-        "",
+        *run.header("Capacity: workers per core at a given step time",
+                    also=f" Load average (1, 5, 15 min) at the start: {loads[0]}; at the end: "
+                    f"{loads[1]} (the runs' own workers count in it, and so does any other job "
+                    "on the machine)."),
         "The quickstart's job (MLP on digits, lossy all-reduce, batch 32, every link `loss: 1%`) "
         "as a namespace run on this host, one worker count after the other. `step` is the "
         "run's pace: per step, the time from the slowest worker's previous step to its step, "
@@ -149,10 +145,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.steps <= WARMUP + 2:
         parser.error(f"--steps: more than {WARMUP + 2} (the first {WARMUP} are a warm-up)")
-    command = machine.command("benchmarks.capacity")
+    run = Run.start("benchmarks.capacity")
     load = " ".join(Path("/proc/loadavg").read_text().split()[:3])
-    started = datetime.datetime.now(datetime.UTC)
-    begun = time.monotonic()
     figures = []
     with tempfile.TemporaryDirectory(prefix="tb-capacity-") as tmp:
         for workers in args.workers:
@@ -161,7 +155,7 @@ def main() -> None:
             figures.append(measured)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     loads = (load, " ".join(Path("/proc/loadavg").read_text().split()[:3]))
-    args.out.write_text(report(figures, command, started, time.monotonic() - begun, loads))
+    args.out.write_text(report(figures, run, loads))
     print(f"wrote {args.out}", file=sys.stderr)
 
 

@@ -18,7 +18,6 @@ Writes benchmarks/results/capture.md.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import socket
 import struct
@@ -29,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks import machine
+from benchmarks.report import Run
 from netem.capture import BoundedPcap, LinkCapture, analyse_link, read_frames
 
 REPO = Path(__file__).resolve().parents[1]
@@ -158,12 +157,9 @@ def tap_speed(megabytes: int) -> dict[str, float]:
     return figures
 
 
-def write(rows: list[dict[str, float]], taps: dict[str, float] | None, started, took) -> None:
+def write(rows: list[dict[str, float]], taps: dict[str, float] | None, run: Run) -> None:
     lines = [
-        "# Capture: per-flow summaries and taps",
-        "",
-        machine.written_by(machine.command("benchmarks.capture"), started, took),
-        "",
+        *run.header("Capture: per-flow summaries and taps"),
         "### Summarising a link's two files (`analyse_link`)",
         "",
         f"Synthetic files of one link, frames cut to {SNAP} bytes: three TCP segments of 1448 "
@@ -207,11 +203,10 @@ def main() -> None:
     parser.add_argument("--stream-mb", type=int, default=300,
                         help="megabytes of the captured TCP stream (0: skip the taps)")
     args = parser.parse_args()
-    started = datetime.datetime.now(datetime.UTC)
-    began = time.monotonic()
+    run = Run.start("benchmarks.capture")
     rows = summary_speed([int(n) for n in args.frames.split(",")])
     taps = tap_speed(args.stream_mb) if args.stream_mb and os.geteuid() == 0 else None
-    write(rows, taps, started, time.monotonic() - began)
+    write(rows, taps, run)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ Writes benchmarks/results/compose-guest.md.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import subprocess
 import sys
@@ -23,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks import machine
+from benchmarks.report import Run
 from testbed.compose.engine import DISK_NAME, cache_dir
 
 REPO = Path(__file__).resolve().parents[1]
@@ -62,7 +61,7 @@ def main() -> int:
     parser.add_argument("--no-fresh", dest="fresh", action="store_false",
                         help="keep the engine disk for the first run too")
     args = parser.parse_args()
-    started, begun = datetime.datetime.now(datetime.UTC), time.monotonic()
+    run = Run.start("benchmarks.compose_guest")
     disk = cache_dir() / DISK_NAME
     if args.fresh:
         disk.unlink(missing_ok=True)
@@ -73,11 +72,8 @@ def main() -> int:
             report, wall = run_once(args.scenario, Path(work) / f"run-{index}")
             rows.append(row(label, report, wall))
             print(rows[-1], flush=True)
-    header = machine.written_by(machine.command("benchmarks.compose_guest"), started,
-                                time.monotonic() - begun)
     RESULTS.write_text("\n".join([
-        f"# `testbed compose {args.scenario} --up` in the User-Mode Linux guest", "",
-        header, "",
+        *run.header(f"`testbed compose {args.scenario} --up` in the User-Mode Linux guest"),
         "Seconds of wall time. *disk*: making the engine disk (a new one: mkfs, the base "
         "imported, the worker and Prometheus images built) or checking it is up to date, on the "
         "host; *engine*: the guest's dockerd until it answers; *shaped*: `up -d` until every "

@@ -36,15 +36,14 @@ Writes benchmarks/results/compression.md.
 from __future__ import annotations
 
 import argparse
-import datetime
 import math
 import tempfile
-import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks import machine
+from benchmarks.report import Run
 from benchmarks.scenario_runs import fmt, run_scenario
 
 REPO = Path(__file__).resolve().parents[1]
@@ -243,8 +242,7 @@ def allreduce_table(outcomes: list[CallOutcome]) -> list[str]:
              "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for o in outcomes:
         base = next((b for b in outcomes if b.kind == "none" and b.numel == o.numel), None)
-        faster = base.seconds / o.seconds if base else math.nan
-        fewer = base.sent / o.sent if base and o.sent else math.nan
+        faster, fewer = gain(base, o, lambda c: c.seconds), gain(base, o, lambda c: c.sent)
         lines.append(f"| {o.numel:,} | {o.kind} | {o.seconds * 1000:.1f} | {fmt(faster)} | "
                      f"{o.sent / 1024:.1f} | {fmt(fewer)} | {o.inner_calls} | {fmt(o.error)} |")
     return lines
@@ -537,6 +535,15 @@ def powersgd_peer(model_name: str, rank: int, steps: int) -> dict[str, float]:
 # -- the report ------------------------------------------------------------------------------
 
 
+def gain(reference: Any | None, outcome: Any, figure: Callable[[Any], float]) -> float:
+    """`reference`'s figure over `outcome`'s: how many times faster (a time) or smaller (bytes)
+    `outcome` is; the tables' `x faster` and `x fewer` columns. nan without a reference or a
+    positive figure."""
+    if reference is None or not figure(outcome) > 0:
+        return math.nan
+    return figure(reference) / figure(outcome)
+
+
 def kib(value: float) -> str:
     return "-" if math.isnan(value) else f"{value / 1024:.1f}"
 
@@ -563,8 +570,7 @@ def table(outcomes: list[Outcome], model: str) -> list[str]:
         if base is not None and not math.isnan(value) and not math.isnan(against):
             change = (f"{(value - against) * 100:+.1f} pt" if model == "cnn"
                       else f"{(value / against - 1) * 100:+.1f}%")
-        speed = (base.allreduce_seconds / o.allreduce_seconds
-                 if base is not None and o.allreduce_seconds > 0 else math.nan)
+        speed = gain(base, o, lambda c: c.allreduce_seconds)
         lines.append(
             f"| {o.cell.kind} | {o.status} | {o.steps} | "
             f"{fmt(value, 4)} | {change} | {fmt(o.ratio)} | {fmt(o.error)} | "
@@ -694,9 +700,8 @@ def reading(outcomes: list[Outcome], calls: list[CallOutcome],
 
 
 def report(outcomes: list[Outcome], calls: list[CallOutcome], limits: list[LimitOutcome],
-           peer: dict[str, dict[str, float]], command: str, started: datetime.datetime,
-           elapsed: float, steps: dict[str, int], density: float, seeds: dict[str, int],
-           note: str) -> str:
+           peer: dict[str, dict[str, float]], run: Run, steps: dict[str, int], density: float,
+           seeds: dict[str, int], note: str) -> str:
     peer_lines = ["| model | parameters | rank | torch hook: relative error | ours, per "
                   "weight: relative error | ours, flat: relative error | torch hook: values "
                   "sent | ours, per weight: values sent | ours, flat: values sent |",
@@ -711,11 +716,8 @@ def report(outcomes: list[Outcome], calls: list[CallOutcome], limits: list[Limit
     limit_models = sorted({o.model for o in limits}, key=MODELS.index)
     sizes = sorted({o.numel for o in calls}, reverse=True)
     return "\n".join([
-        "# Compressed collectives: ARC-Top-K, Top-K, Rand-K, PowerSGD, INT8, INT4",
-        "",
-        *([f"**{note}**", ""] if note else []),
-        machine.written_by(command, started, elapsed),
-        "",
+        *run.header("Compressed collectives: ARC-Top-K, Top-K, Rand-K, PowerSGD, INT8, INT4",
+                    note),
         "## Part 0: the all-reduce alone",
         "",
         f"{WORLD} namespaces on a software bridge, every link into a host limited to {RATE} "
@@ -838,19 +840,18 @@ def main() -> None:
     timeout = args.timeout or (QUICK_TIMEOUT if args.quick else TIMEOUT)
     sizes = [int(n) for n in args.sizes.split(",")] if args.sizes else list(ALLREDUCE_SIZES)
     seeds = dict.fromkeys(MODELS, args.seeds) if args.seeds else dict(LIMIT_SEEDS)
-    command = machine.command("benchmarks.compression")
+    run = Run.start("benchmarks.compression")
     note = ("Reduced run (--quick or a subset): fewer steps, a higher density or fewer cells "
             "than the full benchmark; read the figures as such." if args.quick or args.steps
             or args.models != ",".join(MODELS) or args.kinds != ",".join(KINDS) else "")
-    started, clock = datetime.datetime.now(datetime.UTC), time.monotonic()
     outcomes: list[Outcome] = []
     limits: list[LimitOutcome] = []
     peer: dict[str, dict[str, float]] = {}
     calls = [] if args.no_allreduce else allreduce_part(kinds, sizes, ALLREDUCE_CALLS, density)
 
     def write() -> None:
-        args.out.write_text(report(outcomes, calls, limits, peer, command, started,
-                                   time.monotonic() - clock, steps, density, seeds, note))
+        args.out.write_text(report(outcomes, calls, limits, peer, run, steps, density, seeds,
+                                   note))
 
     write()
     with tempfile.TemporaryDirectory(prefix="compression-bench-") as tmp:

@@ -28,24 +28,24 @@ Writes benchmarks/results/compression-scale.md.
 from __future__ import annotations
 
 import argparse
-import datetime
 import math
 import tempfile
-import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks import machine
 from benchmarks.compression import (
     JOBS,
     RATE,
     SEED,
     WORLD,
+    gain,
     oracles,
     spread,
     train_in_process,
 )
+from benchmarks.report import Run
 from benchmarks.scenario_runs import fmt, run_scenario
 
 REPO = Path(__file__).resolve().parents[1]
@@ -301,18 +301,22 @@ def percent(value: float, against: float) -> str:
     return f"{(value / against - 1) * 100:+.1f}%"
 
 
+def faster(outcomes: list[Any], o: Any, seconds: Callable[[Any], float]) -> str:
+    """The cells `x faster than none | vs Top-K (same density)` of `o`'s row: the uncompressed
+    row's `seconds` and Top-K's (EF14, `o`'s density) over `o`'s."""
+    top = find(outcomes, "topk, ef14", o.variant.density)
+    against_top = fmt(gain(top, o, seconds)) + "x" if top and o is not top else "-"
+    return f"{fmt(gain(find(outcomes, 'none', None), o, seconds))} | {against_top}"
+
+
 def allreduce_table(calls: list[CallOutcome]) -> list[str]:
     lines = ["| compressor | density | all-reduce ms (median) | x faster than none | vs Top-K "
              "(same density) | KiB sent by a worker | inner all-reduces |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    base = find(calls, "none", None)
     for o in calls:
-        top = find(calls, "topk, ef14", o.variant.density)
         lines.append(
             f"| {o.variant.name} | {fmt(o.variant.density)} | {whole(o.seconds * 1000)} | "
-            f"{fmt(base.seconds / o.seconds if base else math.nan)} | "
-            f"{fmt(top.seconds / o.seconds) + 'x' if top and o is not top else '-'} | "
-            f"{o.sent / 1024:.0f} | {o.inner_calls} |")
+            f"{faster(calls, o, lambda c: c.seconds)} | {o.sent / 1024:.0f} | {o.inner_calls} |")
     return lines
 
 
@@ -321,14 +325,10 @@ def step_table(steps: list[StepOutcome]) -> list[str]:
              "vs Top-K (same density) | all-reduce ms | compute ms | KiB sent per step | "
              "payload ratio |",
              "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    base = find(steps, "none", None)
     for o in steps:
-        top = find(steps, "topk, ef14", o.variant.density)
         lines.append(
             f"| {o.variant.name} | {fmt(o.variant.density)} | {o.status} | "
-            f"{whole(o.step_seconds * 1000)} | "
-            f"{fmt(base.step_seconds / o.step_seconds if base else math.nan)} | "
-            f"{fmt(top.step_seconds / o.step_seconds) + 'x' if top and o is not top else '-'} | "
+            f"{whole(o.step_seconds * 1000)} | {faster(steps, o, lambda s: s.step_seconds)} | "
             f"{whole(o.allreduce_seconds * 1000)} | {whole(o.compute_seconds * 1000)} | "
             f"{whole(o.sent_per_step / 1024)} | {fmt(o.ratio)} |")
     return lines
@@ -407,14 +407,11 @@ def targets(metrics: list[MetricOutcome], steps: list[StepOutcome],
 
 
 def report(calls: list[CallOutcome], steps: list[StepOutcome], metrics: list[MetricOutcome],
-           command: str, started: datetime.datetime, elapsed: float, densities: list[float],
-           train_steps: int, time_steps: int, seeds: int, numel: int) -> str:
+           run: Run, densities: list[float], train_steps: int, time_steps: int, seeds: int,
+           numel: int) -> str:
     job = JOBS[MODEL]
     return "\n".join([
-        "# Compression at scale: ARC-Top-K where the paper's claim applies",
-        "",
-        machine.written_by(command, started, elapsed),
-        "",
+        *run.header("Compression at scale: ARC-Top-K where the paper's claim applies"),
         f"Model: `char-lm` of width {job['width']}, {job['layers']} layers ({numel:,} "
         f"parameters), {job['batch']} windows of 64 characters per worker and step, Adam lr "
         f"{job['optimizer']['adam']['lr']:g}, {WORLD} workers. Densities "
@@ -493,16 +490,14 @@ def main() -> None:
     if args.time_steps <= SKIP:
         parser.error(f"--time-steps: more than {SKIP} (the steps left out of the step time)")
     rows = variants(densities)
-    command = machine.command("benchmarks.compression_scale")
-    started, clock = datetime.datetime.now(datetime.UTC), time.monotonic()
+    run = Run.start("benchmarks.compression_scale")
     numel = sum(math.prod(shape) for shape in model_shapes())
     calls: list[CallOutcome] = []
     steps: list[StepOutcome] = []
     metrics: list[MetricOutcome] = []
 
     def write() -> None:
-        args.out.write_text(report(calls, steps, metrics, command, started,
-                                   time.monotonic() - clock, densities, args.steps,
+        args.out.write_text(report(calls, steps, metrics, run, densities, args.steps,
                                    args.time_steps, args.seeds, numel))
 
     if not args.no_allreduce:

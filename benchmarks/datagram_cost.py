@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import os
 import socket
 import statistics
@@ -37,14 +36,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks import machine
+from benchmarks.report import Run
 from testbed.collectives.lab import run_concurrently
 from testbed.collectives.lossy import Lossy
 from testbed.transport import DatagramEndpoint, Kind, flood
 from testbed.transport.flood import Flood, Flooder
 from testbed.transport.sources import SourceTable
 from testbed.transport.tcp import Listener
-from testbed.transport.udp import SO_RCVBUFFORCE
+from testbed.transport.udp.sockets import SO_RCVBUFFORCE
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "datagram-cost.md"
@@ -320,8 +319,7 @@ def ratio(paths: dict[str, list[float]], path: str, over: str) -> str:
 
 
 def report(figures: dict[str, dict[str, list[float]]], flooded: dict[bool, list[FloodRow]],
-           command: str, started: datetime.datetime, elapsed: float, rounds: int,
-           passes: int) -> str:
+           run: Run, rounds: int, passes: int) -> str:
     rows = []
     for row, paths in figures.items():
         cells = []
@@ -360,11 +358,8 @@ def report(figures: dict[str, dict[str, list[float]]], flooded: dict[bool, list[
                 f"{row.exact} of {len(row.seconds)} | {row.refused:,} | {cores:.2f} |")
         flood_lines.append("")
     return "\n".join([
-        "# Datagram cost: per datagram, with and without the source check and the MAC; "
-        "and under a flood",
-        "",
-        machine.written_by(command, started, elapsed),
-        "",
+        *run.header("Datagram cost: per datagram, with and without the source check and the "
+                    "MAC; and under a flood"),
         "### CPU time per datagram (loopback, MTU 1500)",
         "",
         f"The calling thread's CPU time (`time.thread_time`, user and system: the kernel's "
@@ -419,13 +414,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    command = machine.command("benchmarks.datagram_cost")
-    started_at = datetime.datetime.now(datetime.UTC)
-    started = time.monotonic()
+    run = Run.start("benchmarks.datagram_cost")
     figures = costs(args.rounds)
     flooded = floods(args.passes)
-    text = report(figures, flooded, command, started_at, time.monotonic() - started, args.rounds,
-                  args.passes)
+    text = report(figures, flooded, run, args.rounds, args.passes)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
     print(f"wrote {args.out}", file=sys.stderr)

@@ -25,7 +25,6 @@ the time it queued behind earlier buckets), and two more ways measure what is no
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import os
@@ -33,13 +32,12 @@ import resource
 import statistics
 import sys
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks import machine
-from benchmarks.scenario_runs import fmt, run_scenario
+from benchmarks.report import Run, partial
+from benchmarks.scenario_runs import fmt, run_scenario, status_text
 from testbed.collectives.lossy import CALL_PHASES as PHASES
 
 REPO = Path(__file__).resolve().parents[1]
@@ -217,12 +215,12 @@ def table(outcomes: list[Outcome]) -> list[str]:
     for o in outcomes:
         value = ratio(o, outcomes)
         replicas = {True: "identical", False: "differ", None: "-"}[o.identical]
-        status = o.status + (f": {o.note}" if o.note and o.status != "ok" else "")
         rows.append(
             f"| {o.cell.model.name} ({o.cell.model.parameters / 1e6:.2g}M) | {o.cell.network} "
             f"| {o.cell.way} | {o.steps} | {fmt(o.step_seconds)} "
             f"| {'-' if math.isnan(value) else f'{value:.2f}x'} | {verdict(o, outcomes)} "
-            f"| {fmt(o.final_loss, 4)} | {replicas} | {o.load:.1f} | {fmt(o.cpu)} | {status} |")
+            f"| {fmt(o.final_loss, 4)} | {replicas} | {o.load:.1f} | {fmt(o.cpu)} "
+            f"| {status_text(o)} |")
     return rows
 
 
@@ -329,17 +327,13 @@ def profile_observations(profiles: list[Profile], outcomes: list[Outcome]) -> li
     return text
 
 
-def report(outcomes: list[Outcome], command: str, started: datetime.datetime, elapsed: float,
-           steps: dict[str, int], note: str = "") -> str:
+def report(outcomes: list[Outcome], run: Run, steps: dict[str, int], note: str = "") -> str:
     models = ", ".join(f"{m.name}: `--hidden {m.hidden}`, {m.parameters:,} parameters, "
                        f"SGD lr {m.lr:g}, {steps[m.name]} steps"
                        for m in MODELS.values() if m.name in steps)
     return "\n".join([
-        "# A user's DDP script: plain gloo DDP against the testbed's collectives as its hook",
-        "",
-        *([f"**{note}**", ""] if note else []),
-        machine.written_by(command, started, elapsed),
-        "",
+        *run.header("A user's DDP script: plain gloo DDP against the testbed's collectives as "
+                    "its hook", note),
         f"How: every cell is one `ClusterRun` of a scenario written by the benchmark, {WORLD} "
         "workers, each a process in its own network namespace on the lab's bridge, running "
         "`examples/ddp/train.py` (plain: DDP over torch.distributed gloo, TCP cubic, the "
@@ -441,9 +435,7 @@ def main() -> None:
     if os.geteuid() != 0:
         raise SystemExit("needs root: network namespaces and shaping")
     steps = {m: (QUICK_STEPS[m] if args.quick else MODELS[m].steps) for m in models}
-    command = machine.command("benchmarks.ddp_hook")
-    started_at = datetime.datetime.now(datetime.UTC)
-    started = time.monotonic()
+    run = Run.start("benchmarks.ddp_hook")
     cells = plan(models, networks, ways, args.profile)
     outcomes: list[Outcome] = []
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -451,14 +443,11 @@ def main() -> None:
         for number, cell in enumerate(cells, start=1):
             outcome = run_cell(cell, steps[cell.model.name], Path(tmp))
             outcomes.append(outcome)
-            print(f"[{number}/{len(cells)} {(time.monotonic() - started) / 60:.1f} min] "
+            print(f"{run.progress(number, len(cells))} "
                   f"{cell.name}: {outcome.status}, step {fmt(outcome.step_seconds)} s, "
                   f"loss {fmt(outcome.final_loss, 4)}, load {outcome.load:.1f} {outcome.note}",
                   file=sys.stderr, flush=True)
-            partial = "" if number == len(cells) else (
-                f"Partial: {number} of {len(cells)} cells so far.")
-            args.out.write_text(report(outcomes, command, started_at,
-                                       time.monotonic() - started, steps, note=partial))
+            args.out.write_text(report(outcomes, run, steps, note=partial(number, len(cells))))
     print(args.out.read_text())
 
 

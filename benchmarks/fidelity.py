@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import math
 import platform
@@ -22,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks import machine
+from benchmarks.report import Run
 from netem import apply
 from netem.capabilities import netem_available
 from netem.lab import Lab
@@ -156,8 +155,7 @@ def row(case: str, backend: str, check: Check, probes: int) -> str:
     )
 
 
-def report(outcomes: list[Outcome], guest: str, command: str, started: datetime.datetime,
-           elapsed: float) -> str:
+def report(outcomes: list[Outcome], guest: str, run: Run) -> str:
     specs = {c.name: c for c in NETEM_CASES} | {f"fb:{c.name}": c for c in FALLBACK_CASES}
     lines = []
     others = passed_others = 0
@@ -176,13 +174,9 @@ def report(outcomes: list[Outcome], guest: str, command: str, started: datetime.
     failed = sum(1 for line in lines if "FAIL" in line)
     return "\n".join(
         [
-            "# Fidelity: configured against measured",
-            "",
-            machine.written_by(command, started, elapsed),
-            "Kernels: "
-            + "; ".join(f"{backend}: Linux {kernel}" for backend, kernel in kernels)
-            + f". netem ran in: {guest}.",
-            "",
+            *run.header("Fidelity: configured against measured", also="\nKernels: " + "; ".join(
+                f"{backend}: Linux {kernel}" for backend, kernel in kernels)
+                + f". netem ran in: {guest}."),
             "Each case builds a fresh lab (two namespaces on a bridge), shapes the link into h1",
             "on the switch-side port, and sends a timed probe train from h0 (UDP, the stated",
             "number of probes of 128 bytes, 1024 for corruption, every 400 us; every 100 us for",
@@ -218,14 +212,11 @@ def main() -> None:
         outcomes = run_cases(NETEM_CASES, "netem-in-UML")
         args.guest_json.write_text(json.dumps([dataclasses.asdict(o) for o in outcomes]))
         return
-    command = machine.command("benchmarks.fidelity")
-    started_at = datetime.datetime.now(datetime.UTC)
-    started = time.monotonic()
+    run = Run.start("benchmarks.fidelity")
     outcomes, guest = netem_outcomes()
     outcomes += run_cases(FALLBACK_CASES, "fallback-host")
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(report(outcomes, guest, command, started_at,
-                                  time.monotonic() - started))
+    args.output.write_text(report(outcomes, guest, run))
     print(f"wrote {args.output}", file=sys.stderr)
 
 

@@ -35,10 +35,11 @@ def written_by(command: str, started: datetime.datetime, elapsed_seconds: float)
             + (f" With {', '.join(allocator)} in the environment." if allocator else ""))
 
 
-def status_kb(field: str, pid: int | str = "self") -> int | None:
-    """A kB field of /proc/PID/status (`VmRSS`, `VmHWM`); None if the process or field is gone."""
+def status_kb(field: str, pid: int | str = "self", file: str = "status") -> int | None:
+    """A kB field of /proc/PID/FILE (`status`: `VmRSS`, `VmHWM`; `smaps_rollup`: `Pss`); None
+    if the process or field is gone."""
     try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        for line in Path(f"/proc/{pid}/{file}").read_text().splitlines():
             if line.startswith(field + ":"):
                 return int(line.split()[1])
     except OSError:

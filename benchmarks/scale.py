@@ -14,7 +14,6 @@ them). Writes benchmarks/results/scale.md.
 from __future__ import annotations
 
 import argparse
-import datetime
 import statistics
 import sys
 import tempfile
@@ -27,6 +26,7 @@ from typing import Any
 import yaml
 
 from benchmarks import machine
+from benchmarks.report import Run
 from netem.profile import LinkProfile
 from testbed.cluster.network import ClusterNetwork
 from testbed.cluster.runner import ClusterRun, WorkerState
@@ -154,21 +154,12 @@ class MemoryWatch:
             if len(pids) >= self.workers and self.all_seen is None:
                 self.all_seen = now
             for pid in pids:
-                peak, pss = machine.status_kb("VmHWM", pid), _pss(pid)
+                peak = machine.status_kb("VmHWM", pid)
+                pss = machine.status_kb("Pss", pid, "smaps_rollup")
                 if peak is not None:
                     self.peak[pid] = max(peak, self.peak.get(pid, 0))
                 if pss is not None:
                     self.pss[pid] = max(pss, self.pss.get(pid, 0))
-
-
-def _pss(pid: int) -> int | None:
-    try:
-        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-            if line.startswith("Pss:"):
-                return int(line.split()[1])
-    except OSError:
-        return None
-    return None
 
 
 def measure_training(workers: int, steps: int, collective: str, root: Path) -> TrainFigures:
@@ -222,14 +213,11 @@ def _s(value: float | None) -> str:
                                          f"{value:.2f} s")
 
 
-def report(network: list[NetworkFigures], training: list[TrainFigures], command: str,
-           started: datetime.datetime, took: float) -> str:
+def report(network: list[NetworkFigures], training: list[TrainFigures], run: Run) -> str:
     backend = ClusterNetwork(Scenario.model_validate(scenario(2, announced=False))).backend
     lines = [
-        "# Scale: the cluster's network and workers at 4, 16 and 32 workers",
-        "",
-        f"{machine.written_by(command, started, took)} Shaping backend: {backend}.",
-        "",
+        *run.header("Scale: the cluster's network and workers at 4, 16 and 32 workers",
+                    also=f" Shaping backend: {backend}."),
         "### The network (`ClusterNetwork`, every link `loss: 1%`)",
         "",
         "`set-up` is `start()`: the lab's namespaces, veths and bridge, every receiver's switch "
@@ -332,9 +320,7 @@ def main() -> None:
                         "(it rebuilds every receiver: slow at 32)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
-    command = machine.command("benchmarks.scale")
-    started = datetime.datetime.now(datetime.UTC)
-    begun = time.monotonic()
+    run = Run.start("benchmarks.scale")
     network = []
     for workers in args.workers:
         figures = measure_network(workers, unannounced=workers in args.unannounced)
@@ -347,7 +333,7 @@ def main() -> None:
             print(figures, file=sys.stderr, flush=True)
             training.append(figures)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(report(network, training, command, started, time.monotonic() - begun))
+    args.out.write_text(report(network, training, run))
     print(f"wrote {args.out}", file=sys.stderr)
 
 

@@ -1,4 +1,4 @@
-"""What the training and compression benchmarks share: one cell is one scenario run by
+"""What the training, compression and DDP hook benchmarks share: one cell is one scenario run by
 `ClusterRun` within a timeout, and a failed or slow cell is recorded, never the end of the
 benchmark."""
 
@@ -72,3 +72,10 @@ def worker_error(run_dir: Path) -> str:
 def fmt(value: float | None, digits: int = 3) -> str:
     """A table cell: `digits` significant digits, '-' for no value."""
     return "-" if value is None or not math.isfinite(value) else f"{value:.{digits}g}"
+
+
+def status_text(outcome: Any) -> str:
+    """A cell's status column: `ok`, or how it ended and why where a note says."""
+    if outcome.status == "ok":
+        return "ok"
+    return f"{outcome.status}: {outcome.note}" if outcome.note else outcome.status

@@ -22,7 +22,6 @@ Writes benchmarks/results/training.md after every cell.
 from __future__ import annotations
 
 import argparse
-import datetime
 import itertools
 import math
 import os
@@ -30,7 +29,6 @@ import re
 import statistics
 import sys
 import tempfile
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,8 +36,8 @@ from typing import Any
 
 import yaml
 
-from benchmarks import machine
-from benchmarks.scenario_runs import fmt, run_scenario
+from benchmarks.report import Run, partial
+from benchmarks.scenario_runs import fmt, run_scenario, status_text
 from testbed.collectives.registry import LossyOptions
 
 REPO = Path(__file__).resolve().parents[1]
@@ -209,12 +207,6 @@ def percent(change: float) -> str:
     return "-" if not math.isfinite(change) else f"{round(change, 2) + 0.0:+.2f}%"
 
 
-def status_text(o: Outcome) -> str:
-    if o.status == "ok":
-        return "ok"
-    return f"{o.status}: {o.note}" if o.note else o.status
-
-
 def baseline(outcomes: list[Outcome], kind: str, seed: int) -> Outcome | None:
     return next((o for o in outcomes if o.cell.kind == kind and o.cell.seed == seed
                  and o.cell.loss == 0 and o.status == "ok"), None)
@@ -368,14 +360,11 @@ def observations(outcomes: list[Outcome]) -> list[str]:
     return said
 
 
-def report(outcomes: list[Outcome], command: str, started: datetime.datetime, elapsed: float,
-           steps: int, median: str, seeds: list[int], note: str = "") -> str:
+def report(outcomes: list[Outcome], run: Run, steps: int, median: str, seeds: list[int],
+           note: str = "") -> str:
     return "\n".join([
-        "# Training under packet loss: lossy against gloo; DropCompute against synchronous",
-        "",
-        *([f"**{note}**", ""] if note else []),
-        machine.written_by(command, started, elapsed),
-        "",
+        *run.header("Training under packet loss: lossy against gloo; DropCompute against "
+                    "synchronous", note),
         f"How: every cell is one `ClusterRun` (backend auto) of a scenario written by the "
         f"benchmark: {WORLD} workers, each a process in its own network namespace, links "
         "unshaped but for the loss (the host's fallback shaping: nftables random drop on "
@@ -507,9 +496,7 @@ def main() -> None:
         raise SystemExit("needs root: network namespaces and shaping")
     steps = args.steps or (QUICK_STEPS if args.quick else STEPS)
     timeout = args.timeout or (QUICK_TIMEOUT if args.quick else TIMEOUT)
-    command = machine.command("benchmarks.training")
-    started_at = datetime.datetime.now(datetime.UTC)
-    started = time.monotonic()
+    run = Run.start("benchmarks.training")
     try:
         seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
     except ValueError:
@@ -529,17 +516,13 @@ def main() -> None:
             else:
                 outcome = run_cell(cell, steps, timeout, Path(tmp), args.drift_every)
             outcomes.append(outcome)
-            print(f"[{number}/{len(cells)} {(time.monotonic() - started) / 60:.1f} min] "
+            print(f"{run.progress(number, len(cells))} "
                   f"{cell.name}: {status_text(outcome)}, perplexity {fmt(outcome.perplexity, 4)}"
                   f", step {fmt(outcome.step_seconds)} s, wall {outcome.wall:.0f} s",
                   file=sys.stderr, flush=True)
-            partial = "" if number == len(cells) else (
-                f"Partial: {number} of {len(cells)} cells so far.")
-            args.out.write_text(report(outcomes, command, started_at,
-                                       time.monotonic() - started, steps, args.straggler_median,
-                                       seeds, note=partial))
-    text = report(outcomes, command, started_at, time.monotonic() - started, steps,
-                  args.straggler_median, seeds)
+            args.out.write_text(report(outcomes, run, steps, args.straggler_median, seeds,
+                                       note=partial(number, len(cells))))
+    text = report(outcomes, run, steps, args.straggler_median, seeds)
     print(text)
     print(f"wrote {args.out}", file=sys.stderr)
     if args.drift_plot is not None:

@@ -1,14 +1,22 @@
-"""Helpers for tests that watch a live run from outside: an instant PromQL query through the
-port a Compose project or a stack publishes, and a bounded poll that names what it last saw."""
+"""Helpers for tests that watch something live from outside: an instant PromQL query through
+the port a Compose project or a stack publishes; `wait_for`, the bounded poll that names what it
+last saw, and what it polls (whether a process ended; a condition that fails at once when its
+process ended first, or that reads datagram endpoints meanwhile); what worker processes hand
+back through a queue."""
 
 from __future__ import annotations
 
 import json
+import queue
+import subprocess
 import time
 import urllib.parse
 import urllib.request
-from collections.abc import Callable
-from typing import TypeVar
+from collections.abc import Callable, Sequence
+from multiprocessing.process import BaseProcess
+from multiprocessing.queues import Queue
+from pathlib import Path
+from typing import Any, TypeVar
 
 from testbed.compose import PROMETHEUS_PORT
 
@@ -27,10 +35,13 @@ def promql(expr: str) -> dict[str, float]:
             for item in body["data"]["result"]}
 
 
-def wait_for(what: str, read: Callable[[], T], ready: Callable[[T], bool], timeout: float) -> T:
-    """`read()` until `ready` says its value will do; fails naming the last value read.
+def wait_for(what: str, read: Callable[[], T], ready: Callable[[T], bool], timeout: float, *,
+             every: float = 1.0, log: Callable[[], str] | None = None) -> T:
+    """`read()` every `every` seconds until `ready` says its value will do; fails naming what
+    it waited for, the last value read and, with `log`, what that says then (a process's log).
 
-    Containers, tasks and scrapes offer nothing to wait on but polling, once a second."""
+    Containers, tasks, scrapes, processes and files offer nothing to wait on but polling. An
+    assertion in `read` (a process that ended early) fails at once."""
     deadline = time.monotonic() + timeout
     last: object = None
     while time.monotonic() < deadline:
@@ -42,5 +53,60 @@ def wait_for(what: str, read: Callable[[], T], ready: Callable[[T], bool], timeo
             if ready(value):
                 return value
             last = value
-        time.sleep(1.0)
-    raise AssertionError(f"{what}: not within {timeout:g} s (last: {last!r})")
+        time.sleep(every)
+    raise AssertionError(f"{what}: not within {timeout:g} s (last: {last!r})"
+                         + (f"\n{log()}" if log else ""))
+
+
+def ended(pid: int) -> bool:
+    """Whether process `pid` is gone or a zombie (its reaper may be slow)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def unless_ended(condition: Callable[[], bool], process: subprocess.Popen[Any],
+                 why: Callable[[], str]) -> Callable[[], bool]:
+    """`condition` as a `wait_for` read that fails at once where `process` ended before it
+    held (`why()` says why: its log, say) instead of waiting out the timeout."""
+
+    def read() -> bool:
+        if condition():
+            return True
+        assert process.poll() is None, why()
+        return False
+
+    return read
+
+
+def reading(condition: Callable[[], bool], *endpoints: Any) -> Callable[[], bool]:
+    """`condition` as a `wait_for` read that reads every endpoint's socket (`poll`) while it
+    does not hold: what it waits for arrives only as they read."""
+
+    def read() -> bool:
+        if condition():
+            return True
+        for endpoint in endpoints:
+            endpoint.poll(0.01)
+        return False
+
+    return read
+
+
+def collect(results: Queue, processes: Sequence[BaseProcess], timeout: float) -> list[Any]:
+    """One item from `results` per process, as they come, within `timeout`; a process that
+    exits with an error fails the test at once (its traceback is above), not after the wait."""
+    collected: list[Any] = []
+
+    def gathered() -> int:
+        try:
+            collected.append(results.get(timeout=0.5))
+        except queue.Empty:
+            dead = [p.exitcode for p in processes if p.exitcode not in (None, 0)]
+            assert not dead, f"a worker exited with {dead[0]} (its traceback is above)"
+        return len(collected)
+
+    wait_for("a result from every worker", gathered, lambda count: count == len(processes),
+             timeout, every=0)
+    return collected

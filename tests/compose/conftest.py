@@ -9,11 +9,11 @@ import shutil
 import signal
 import subprocess
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from live import unless_ended, wait_for
 
 from testbed.compose.engine import mounts_under
 
@@ -88,13 +88,17 @@ def docker_engine() -> Iterator[None]:
             ["dockerd", "--data-root", str(state / "data"), "--exec-root", str(state / "exec"),
              "--pidfile", str(state / "dockerd.pid")],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + ENGINE_WAIT
-        while not _engine_up():
-            if process.poll() is not None or time.monotonic() > deadline:
-                process.kill()
-                pytest.fail(f"dockerd did not start within {ENGINE_WAIT:g} s: "
-                            f"{(state / 'dockerd.log').read_text()[-2000:]}")
-            time.sleep(0.2)  # dockerd offers nothing to wait on but its socket
+
+        def tail() -> str:
+            return (state / "dockerd.log").read_text()[-2000:]
+
+        try:  # dockerd offers nothing to wait on but its socket
+            wait_for("dockerd to answer", unless_ended(
+                _engine_up, process, lambda: f"dockerd exited: {tail()}"), bool, ENGINE_WAIT,
+                every=0.2, log=tail)
+        except AssertionError:
+            process.kill()
+            raise
     try:
         built = subprocess.run([str(ROOT / "scripts" / "compose-images.sh")], cwd=ROOT,
                                capture_output=True, text=True)

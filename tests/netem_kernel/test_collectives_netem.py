@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import queue
-import time
 from collections.abc import Iterator
 
 import numpy as np
 import pytest
 import torch
+from live import collect
 
 from netem import LinkProfile
 from netem.lab import Lab
@@ -78,16 +77,8 @@ def test_gloo_is_exact_across_netem_links(lab):
     for process in processes:
         process.start()
     collected: dict[int, np.ndarray] = {}
-    deadline = time.monotonic() + WAIT
     try:
-        while len(collected) < WORLD:
-            try:
-                rank, name, result = results.get(timeout=0.5)
-            except queue.Empty:
-                dead = [p.exitcode for p in processes if p.exitcode not in (None, 0)]
-                assert not dead, f"a gloo worker exited with {dead[0]} (its traceback is above)"
-                assert time.monotonic() < deadline, f"gloo gave no result within {WAIT} s"
-                continue
+        for rank, name, result in collect(results, processes, WAIT):
             assert name == "gloo"
             collected[rank] = result
         for process in processes:

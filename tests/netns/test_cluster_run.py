@@ -9,11 +9,12 @@ import json
 import signal
 import subprocess
 import sys
-import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import pytest
+from live import ended, unless_ended, wait_for
 from typer.testing import CliRunner
 
 from netem.lab import lab_namespaces
@@ -112,11 +113,10 @@ def _long_run(tmp_path: Path) -> tuple[Any, set[str], list[int]]:
                               stdout=subprocess.DEVNULL,
                               stderr=(tmp_path / "runner.stderr").open("w"))
     try:
-        deadline = time.monotonic() + 120
-        while not any(path.stat().st_size for path in out.glob("events-rank*.jsonl")):
-            assert runner.poll() is None, "the run ended before training started"
-            assert time.monotonic() < deadline, "no worker reported a step within 120 s"
-            time.sleep(0.2)  # polling the run directory, a bounded wait
+        stepped = unless_ended(
+            lambda: any(path.stat().st_size for path in out.glob("events-rank*.jsonl")), runner,
+            lambda: "the run ended before training started")
+        wait_for("a worker's first step (the run directory)", stepped, bool, 120, every=0.2)
         # The run's own namespaces, by the prefix it recorded (other tests' labs may come and
         # go meanwhile).
         cluster = next(json.loads(line) for line in (out / "events.jsonl").read_text()
@@ -148,7 +148,8 @@ def test_a_run_killed_with_sigkill_is_cleaned_up_by_testbed_clean(tmp_path: Path
     assert not set(netns.listnetns()) & made, "testbed clean left namespaces"
     assert not [name for name in made if name in lab_namespaces()]
     for pid in workers:
-        assert _ends(pid, within=10.0), f"worker {pid} survived testbed clean"
+        wait_for(f"worker {pid} to end after testbed clean", partial(ended, pid), bool, 10.0,
+                 every=0.05)
 
 
 @pytest.mark.parametrize(("signum", "said"), [(signal.SIGINT, "interrupted (Ctrl-C)"),
@@ -177,28 +178,10 @@ def test_ctrl_c_or_sigterm_stops_a_run_and_removes_everything_it_made(tmp_path: 
     assert code == 128 + signum
     assert not set(netns.listnetns()) & made, f"{said} left namespaces"
     for pid in workers:
-        assert _ends(pid, within=10.0), f"worker {pid} survived {said}"
+        wait_for(f"worker {pid} to end after {said}", partial(ended, pid), bool, 10.0,
+                 every=0.05)
     summary = json.loads(next((tmp_path / "run").rglob("summary.json")).read_text())
     assert summary["success"] is False and said in summary["error"], summary
-
-
-def _ends(pid: int, within: float) -> bool:
-    """Whether process `pid` is gone (or a zombie) within `within` seconds."""
-    import time
-
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        if _zombie(pid):
-            return True
-        time.sleep(0.05)
-    return False
-
-
-def _zombie(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] == "Z"
-    except OSError:
-        return True
 
 
 PREEMPTION = """

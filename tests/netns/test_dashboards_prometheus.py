@@ -34,16 +34,16 @@ import shutil
 import socket
 import subprocess
 import time
-import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from live import wait_for
 
 from testbed import dashboards
 from testbed.cluster.runner import PROMETHEUS_TARGETS, ClusterRun, WorkerState
@@ -176,19 +176,15 @@ def prometheus(tmp_path: Path) -> Iterator[Prometheus]:
              f"--web.listen-address=127.0.0.1:{port}", "--log.level=info"],
             stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     server = Prometheus(f"http://127.0.0.1:{port}", log)
+
+    def readiness() -> int:
+        assert process.poll() is None, f"prometheus exited:\n{server.log_tail()}"
+        with urllib.request.urlopen(f"{server.url}/-/ready", timeout=2) as response:
+            return response.status
+
     try:
-        deadline = time.monotonic() + READY_TIMEOUT
-        while True:
-            assert process.poll() is None, f"prometheus exited:\n{server.log_tail()}"
-            try:
-                with urllib.request.urlopen(f"{server.url}/-/ready", timeout=2) as response:
-                    if response.status == 200:
-                        break
-            except (urllib.error.URLError, ConnectionError):
-                pass
-            assert time.monotonic() < deadline, (
-                f"prometheus not ready within {READY_TIMEOUT:g} s:\n{server.log_tail()}")
-            time.sleep(0.2)  # polling its readiness endpoint
+        wait_for("prometheus ready", readiness, lambda status: status == 200, READY_TIMEOUT,
+                 every=0.2, log=server.log_tail)
         yield server
     finally:
         process.terminate()
@@ -209,30 +205,30 @@ class Scraped:
     run: str
     steps: int
     at: float | None = None
-    seen: list[str] = field(default_factory=list)
 
     def __call__(self, workers: list[WorkerState]) -> None:
         if self.at is not None or not all(w.lingering for w in workers):
             return
         done = time.time()
         selector = f'testbed_step{{run="{self.run}"}}'
-        deadline = time.monotonic() + SCRAPED_TIMEOUT
-        while True:
+
+        def scraped() -> dict[str, Any]:
+            """Each rank's last step, how many ranks were scraped since the end, up or not."""
             steps = self.prometheus.query(selector)
             stamps = self.prometheus.query(f"timestamp({selector})")
             up = self.prometheus.query(f'up{{run="{self.run}"}}')
-            self.seen = [f"rank {s['metric']['rank']}: step {s['value'][1]}" for s in steps]
-            fresh = [s for s in stamps if float(s["value"][1]) > done]
-            if (len(steps) == WORLD and len(fresh) == WORLD
-                    and all(float(s["value"][1]) == self.steps - 1 for s in steps)
-                    and len(up) == WORLD and all(s["value"][1] == "1" for s in up)):
-                self.at = time.time()
-                return
-            assert time.monotonic() < deadline, (
-                f"{self.run}: Prometheus did not scrape every worker's last step within "
-                f"{SCRAPED_TIMEOUT:g} s of the end; it has {self.seen}, up {up}\n"
-                f"{self.prometheus.log_tail()}")
-            time.sleep(0.2)  # polling Prometheus until its next scrapes
+            return {"steps": [(s["metric"]["rank"], float(s["value"][1])) for s in steps],
+                    "fresh": sum(float(s["value"][1]) > done for s in stamps),
+                    "up": [s["value"][1] for s in up]}
+
+        def complete(found: dict[str, Any]) -> bool:
+            return (len(found["steps"]) == WORLD and found["fresh"] == WORLD
+                    and all(step == self.steps - 1 for _, step in found["steps"])
+                    and len(found["up"]) == WORLD and all(up == "1" for up in found["up"]))
+
+        wait_for(f"{self.run}: Prometheus to scrape every worker's last step after the end",
+                 scraped, complete, SCRAPED_TIMEOUT, every=0.2, log=self.prometheus.log_tail)
+        self.at = time.time()
 
 
 def run_scenario(tmp_path: Path, prometheus: Prometheus, name: str) -> tuple[float, float]:

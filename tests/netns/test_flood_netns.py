@@ -22,10 +22,9 @@ before and after this check), which is no concern of this test's.
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
+from live import reading, wait_for
 
 from testbed.collectives.lab import addresses, close_all, on_hosts, run_concurrently
 from testbed.collectives.lossy import Lossy
@@ -51,15 +50,6 @@ def refused(worker: Lossy) -> int:
                 for c in counters) + endpoint.socket_counters().rcvbuf_drops)
 
 
-def wait_for(what: str, condition, group: list[Lossy]) -> None:
-    """Read every worker's socket until `condition()` holds; fail naming `what` after WAIT."""
-    deadline = time.monotonic() + WAIT
-    while not condition():
-        assert time.monotonic() < deadline, f"waited {WAIT:g} s for {what}"
-        for worker in group:
-            worker.endpoint.poll(0.01)
-
-
 @pytest.mark.parametrize("keyed", [False, True], ids=["open", "keyed-and-spoofed"])
 def test_a_flood_leaves_every_all_reduce_exact_and_is_counted(make_lab, keyed):
     lab = make_lab(WORLD + 1)
@@ -73,8 +63,10 @@ def test_a_flood_leaves_every_all_reduce_exact_and_is_counted(make_lab, keyed):
     before = [refused(worker) for worker in group]
     flooder = stranger.start(flood, ["ip", "netns", "exec", lab.hosts[WORLD].netns], WAIT)
     try:
-        wait_for("the flood to reach every worker",
-                 lambda: all(refused(w) > b for w, b in zip(group, before, strict=True)), group)
+        endpoints = [worker.endpoint for worker in group]
+        reached = reading(
+            lambda: all(refused(w) > b for w, b in zip(group, before, strict=True)), *endpoints)
+        wait_for("the flood to reach every worker", reached, bool, WAIT, every=0)
         results = []
         for step in range(CALLS):
             inputs = [(r + 1 + step + torch.arange(NUMEL) % 7).float() for r in range(WORLD)]
@@ -87,8 +79,10 @@ def test_a_flood_leaves_every_all_reduce_exact_and_is_counted(make_lab, keyed):
         def counted() -> list[int]:
             return [refused(w) - b for w, b in zip(group, before, strict=True)]
 
-        wait_for(f"every flood datagram to be counted (sent {for_worker})",
-                 lambda: all(c >= n for c, n in zip(counted(), for_worker, strict=True)), group)
+        all_counted = reading(
+            lambda: all(c >= n for c, n in zip(counted(), for_worker, strict=True)), *endpoints)
+        wait_for(f"every flood datagram to be counted (sent {for_worker})", all_counted, bool,
+                 WAIT, every=0)
         final = counted()
         rejected = [worker.endpoint.socket_counters().rejected for worker in group]
     finally:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
-from pathlib import Path
+from functools import partial
 
 import pytest
+from live import ended, wait_for
 from pyroute2 import netns
 from typer.testing import CliRunner
 
@@ -79,7 +79,8 @@ def test_clean_removes_a_killed_run_and_nothing_else(make_lab):
         assert result.exit_code == 0, result.output
         assert f"{killed_prefix}-sw" in result.output
         assert lab_namespaces(killed_prefix) == []
-        assert _ended(sleeper_pid, within=5.0), "the process inside the lab survived"
+        wait_for("the process inside the lab to end", partial(ended, sleeper_pid), bool, 5.0,
+                 every=0.01)
         assert len(lab_namespaces(live.prefix)) == 2, "a live lab was removed"
         assert bystander in netns.listnetns()
     finally:
@@ -98,17 +99,3 @@ def test_mtu_applies_to_hosts_and_switch_ports(make_lab):
             check=True,
         ).stdout
         assert " mtu 9000 " in shown, shown
-
-
-def _ended(pid: int, within: float) -> bool:
-    """Whether the process is gone or a zombie (its reaper may be slow) within the time."""
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
-        except OSError:
-            return True
-        if state == "Z":
-            return True
-        time.sleep(0.01)
-    return False

@@ -13,11 +13,11 @@ import json
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
+from live import unless_ended, wait_for
 
 from netem import LinkProfile
 from netem.lab import Lab
@@ -77,11 +77,10 @@ def test_peers_in_namespaces_reach_the_mean_and_survive_a_kill(make_lab, tmp_pat
     victim = 3
     peers = {rank: start_peer(lab, rank, tmp_path) for rank in range(WORLD)}
     try:
-        deadline = time.monotonic() + WAIT
-        while len(lines(tmp_path, victim)) < 3:  # steps 0..2 done: kill it mid-run
-            assert peers[victim].poll() is None, (tmp_path / f"{victim}.err").read_text()
-            assert time.monotonic() < deadline, "the peers did not get through three steps"
-            time.sleep(0.05)
+        stepped = unless_ended(lambda: len(lines(tmp_path, victim)) >= 3, peers[victim],
+                               (tmp_path / f"{victim}.err").read_text)
+        # steps 0..2 done: kill it mid-run
+        wait_for("the peers through three steps", stepped, bool, WAIT, every=0.05)
         peers[victim].send_signal(signal.SIGKILL)
         peers[victim].wait()
         for rank, peer in peers.items():
@@ -128,13 +127,16 @@ def test_calls_keep_their_deadline_when_two_of_eight_peers_die_mid_call(make_lab
     peers = {rank: start_peer(lab, rank, tmp_path, world=world, group_size=group_size,
                               timeout=timeout, numel=numel, interval=0.0)
              for rank in range(world)}
+
+    def stepped() -> bool:
+        if min(len(lines(tmp_path, rank)) for rank in (killed, hung)) >= 3:
+            return True
+        for rank, peer in peers.items():
+            assert peer.poll() is None, (tmp_path / f"{rank}.err").read_text()
+        return False
+
     try:
-        deadline = time.monotonic() + 2 * WAIT
-        while min(len(lines(tmp_path, rank)) for rank in (killed, hung)) < 3:
-            for rank, peer in peers.items():
-                assert peer.poll() is None, (tmp_path / f"{rank}.err").read_text()
-            assert time.monotonic() < deadline, "the peers did not get through three steps"
-            time.sleep(0.05)
+        wait_for("the peers through three steps", stepped, bool, 2 * WAIT, every=0.05)
         peers[killed].send_signal(signal.SIGKILL)
         peers[hung].send_signal(signal.SIGSTOP)
         for rank, peer in peers.items():

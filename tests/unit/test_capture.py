@@ -8,10 +8,10 @@ import json
 import os
 import struct
 import threading
-import time
 from pathlib import Path
 
 import pytest
+from live import wait_for
 from scapy.layers.inet import ICMP, IP, TCP, UDP
 from scapy.layers.l2 import Ether
 from scapy.utils import PcapReader, wrpcap
@@ -188,9 +188,8 @@ def test_a_tap_ends_its_thread_and_closes_its_file_when_stopped(tmp_path: Path):
     tap = Tap(ring, tmp_path / "t.pcap", snap=128, max_bytes=10_000)
     tap.start()
     ring.push(10)
-    deadline = time.monotonic() + 10
-    while tap.pcap.stats.packets < 10 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_for("the tap to write the first 10 packets", lambda: tap.pcap.stats.packets,
+             lambda packets: packets >= 10, 10, every=0.01)
     ring.push(100)  # more than the file takes: counted, not written
     stats = tap.stop()
     assert not tap.alive and ring.closed and tap.pcap.closed

@@ -5,13 +5,12 @@ float rounding through the lossy all-reduce when nothing is lost."""
 from __future__ import annotations
 
 import multiprocessing
-import queue
 import socket
-import time
 from collections.abc import Callable
 
 import pytest
 import torch
+from live import collect
 
 from testbed.collectives import create
 
@@ -77,16 +76,8 @@ def spawn(target: Callable[..., None], *args: object, wait: float = 60.0) -> lis
                  for rank in range(WORLD)]
     for process in processes:
         process.start()
-    collected: list[object] = []
-    deadline = time.monotonic() + wait
     try:
-        while len(collected) < WORLD:
-            try:
-                collected.append(results.get(timeout=0.5))
-            except queue.Empty:
-                dead = [p.exitcode for p in processes if p.exitcode not in (None, 0)]
-                assert not dead, f"a worker exited with {dead[0]} (its traceback is above)"
-                assert time.monotonic() < deadline, f"workers gave no result within {wait} s"
+        collected = collect(results, processes, wait)
         for process in processes:
             process.join(30)
             assert process.exitcode == 0, f"worker exited with {process.exitcode}"

@@ -15,6 +15,7 @@ from functools import partial
 
 import pytest
 import torch
+from live import wait_for
 
 from testbed.collectives.base import Collective
 from testbed.collectives.grid import Grid
@@ -34,11 +35,7 @@ WAIT = 10.0  # seconds any bounded poll may take before the test fails
 
 
 def poll(condition: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + WAIT
-    while not condition():
-        if time.monotonic() > deadline:
-            pytest.fail(f"not within {WAIT} s: {what}")
-        time.sleep(0.01)
+    wait_for(what, condition, bool, WAIT, every=0.01)
 
 
 @pytest.fixture
