@@ -34,7 +34,7 @@ workers:
     - {worker: 2, straggler: {fixed: 20ms}}
 topology:
   default: {loss: 1%, rate: 100mbit}
-job: {model: mlp, steps: 200, batch: 32}
+job: {model: mlp, steps: 500, batch: 32}
 collective: {kind: lossy, deadline_initial: 0.2}
 metrics: {drift_every: 5, linger: 20}
 timeline:
@@ -42,6 +42,10 @@ timeline:
   - {step: 80, kill: [2]}
   - {step: 110, restart: [2]}
 """
+# 500 steps: the others train on for 390 steps after worker 2's restart is due (about 25 s
+# at CI's pace), far longer than a container takes to restart and rejoin; the figures' swap
+# no longer holds them 5 s an exchange while it is away (docs/cluster.md), so the length
+# of the run is what gives it the time.
 LIVE_WAIT = 240.0  # seconds for the containers to start training and Prometheus to see it
 SERVICES = ["worker-0", "worker-1", "worker-2", "prometheus"]
 
@@ -105,7 +109,8 @@ def _running(project: Path, *services: str) -> Iterator[None]:
                  check=False)
 
 
-def test_a_compose_run_is_shaped_scraped_live_and_leaves_nothing(docker_engine, tmp_path):
+def test_a_compose_run_is_shaped_scraped_live_and_leaves_nothing(docker_engine, tmp_path,
+                                                                  measured):
     scenario = tmp_path / "scenario.yaml"
     scenario.write_text(SCENARIO)
     project = write_project(scenario, tmp_path / "project")
@@ -139,6 +144,7 @@ def test_a_compose_run_is_shaped_scraped_live_and_leaves_nothing(docker_engine, 
         # made 44% of them late).
         late = sum(promql("sum(testbed_datagrams_late_total)").values())
         received = sum(promql("sum(testbed_datagrams_received_total)").values())
+        measured(f"datagrams late {late:.0f} of {received:.0f} received ({late / received:.2%})")
         assert late < 0.1 * received, (late, received)
         profile = promql('testbed_link_profile_info{rank="1"}')
         assert profile, "worker 1 exports no link profile"
@@ -190,7 +196,7 @@ def test_a_compose_run_is_shaped_scraped_live_and_leaves_nothing(docker_engine, 
         rejoin = [e for e in events if e["type"] == "rejoin"]
         assert len(rejoin) == 1 and rejoin[0]["step"] >= 110, rejoin
         ran = [e["step"] for e in events if e["type"] == "step"]
-        assert max(ran) == 199 and not [s for s in ran if 80 <= s < 110], ran
+        assert max(ran) == 499 and not [s for s in ran if 80 <= s < 110], ran
     left = subprocess.run(
         ["docker", "ps", "-aq", "--filter", f"label=com.docker.compose.project={name}"],
         capture_output=True, text=True).stdout.split()
