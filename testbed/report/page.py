@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import html
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from netem.extras import MissingExtra, require
+from testbed.report.marks import timeline_marks
 from testbed.report.run import INDEX, PLOT_TITLES, SUMMARY, Run, load_run, summarize
 from testbed.report.run import PLOTS as PLOTS_DIR
 from testbed.scenario import ScenarioError, load_scenario
@@ -32,34 +34,34 @@ _FIGURES = [
     ("success", "success", "bool"),
     ("workers", "workers", "int"),
     ("steps", "steps", "int"),
-    ("final_loss", "final loss", ".4f"),
+    ("final_loss", "final training loss", ".4f"),
     ("final_eval_loss", "final held-out loss", ".4f"),
-    ("final_eval_perplexity", "final perplexity", ".3f"),
-    ("final_eval_accuracy", "final accuracy", ".3f"),
+    ("final_eval_perplexity", "final held-out perplexity", ".3f"),
+    ("final_eval_accuracy", "final held-out accuracy", ".3f"),
     ("mean_step_seconds", "mean step time (s)", ".4f"),
-    ("mean_wait_seconds", "mean wait (s)", ".4f"),
-    ("drop_rate", "drop rate", ".1%"),
+    ("mean_wait_seconds", "mean wait after compute (s)", ".4f"),
+    ("drop_rate", "DropCompute drop rate", ".1%"),
     ("wall_seconds", "wall time (s)", ".1f"),
     ("bytes_sent", "bytes sent", "bytes"),
     ("datagrams_lost", "datagrams lost", "int"),
     ("tcp_retransmits", "TCP retransmits", "int"),
-    ("final_drift", "final drift", ".4g"),
-    ("faults", "faults", "int"),
+    ("final_drift", "final relative drift", ".4g"),
+    ("faults", "fault events", "int"),
 ]
 _WORKER_FIGURES = [
     ("success", "success", "bool"),
     ("steps", "steps", "int"),
-    ("final_loss", "final loss", ".4f"),
-    ("mean_step_seconds", "mean step (s)", ".4f"),
+    ("final_loss", "final training loss", ".4f"),
+    ("mean_step_seconds", "mean step time (s)", ".4f"),
     ("mean_compute_seconds", "mean compute (s)", ".4f"),
-    ("mean_wait_seconds", "mean wait (s)", ".4f"),
-    ("injected_delay_seconds", "injected delay (s)", ".3f"),
-    ("drop_rate", "drop rate", ".1%"),
+    ("mean_wait_seconds", "mean wait after compute (s)", ".4f"),
+    ("injected_delay_seconds", "injected straggler delay (s)", ".3f"),
+    ("drop_rate", "DropCompute drop rate", ".1%"),
     ("bytes_sent", "bytes sent", "bytes"),
     ("bytes_received", "bytes received", "bytes"),
     ("datagrams_lost", "datagrams lost", "int"),
     ("tcp_retransmits", "TCP retransmits", "int"),
-    ("final_drift", "final drift", ".4g"),
+    ("final_drift", "final relative drift", ".4g"),
 ]
 
 
@@ -99,8 +101,19 @@ def _table(rows: Sequence[tuple[str, dict[str, Any]]], figures: list[tuple[str, 
             "</table>")
 
 
+def _with_code(text: str) -> str:
+    """`text` escaped, its `backquoted` parts (field names) as code."""
+    return re.sub(r"`([^`]+)`", r"<code>\1</code>", html.escape(text))
+
+
+_TIME_PLOTS = ("<p>The plots against time span the whole run, from its start to its last event; "
+               "grey: before training started (setup) and after its last step (evaluation, "
+               "shutdown). Each numbered dotted line is an event of the timeline, numbered as "
+               "in the key under the plot and in the Faults table.</p>")
+
+
 def _figures(drawn: dict[str, Path], skipped: dict[str, str], base: Path) -> str:
-    parts = []
+    parts = [_TIME_PLOTS] if drawn.keys() & {"network", "drift"} else []
     for name, title in PLOT_TITLES.items():
         if name in drawn:
             source = drawn[name].relative_to(base).as_posix()
@@ -108,7 +121,7 @@ def _figures(drawn: dict[str, Path], skipped: dict[str, str], base: Path) -> str
                          f"<figcaption>{html.escape(title)}</figcaption></figure>")
         else:
             parts.append(f"<p class=\"warn\">{html.escape(title)}: not drawn "
-                         f"({html.escape(skipped[name])}).</p>")
+                         f"({_with_code(skipped[name])}).</p>")
     return "\n".join(parts)
 
 
@@ -249,11 +262,12 @@ def render_run(run_dir: str | Path | Run, out_dir: str | Path | None = None) -> 
                     _WORKER_FIGURES, "worker")]
     if run.faults:
         rows = "".join(
-            f'<tr><td>{f.t:.2f}</td><td>{"–" if f.scheduled is None else f"{f.scheduled:.2f}"}'
+            f'<tr><td>{mark.number}</td><td>{f.t:.2f}</td>'
+            f'<td>{"–" if f.scheduled is None else f"{f.scheduled:.2f}"}'
             f'</td><td class="text">{html.escape(f.action)}</td><td class="text">'
             f"{html.escape(json.dumps(f.fields, default=str))}</td></tr>"
-            for f in run.faults)
-        body.append('<h2>Faults</h2><table><tr><th>t (s)</th><th>scheduled (s)</th>'
+            for mark in timeline_marks(run) for f in mark.faults)
+        body.append('<h2>Faults</h2><table><tr><th>#</th><th>t (s)</th><th>scheduled (s)</th>'
                     f'<th class="text">action</th><th class="text">details</th></tr>{rows}'
                     "</table>")
     if run.links:

@@ -3,60 +3,51 @@ are made with `matplotlib.figure.Figure`, never pyplot, so no GUI backend or glo
 involved.
 
 Each function takes one or more labelled runs: one run is drawn per worker (with the mean),
-several are overlaid one line (or bar, or histogram) per run. A plot whose data no run has is
-not drawn; `draw_all` says why.
+several are overlaid one line (or bar, or histogram) per run. Time plots share the run's time
+axis and its timeline's marks (`drawing.py`). A plot whose data no run has is not drawn;
+`draw_all` says why and what would draw it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from pathlib import Path
 
-import matplotlib
 import numpy as np
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
+from testbed.report.drawing import (
+    MAX_WORKER_LINES,
+    Labelled,
+    broken,
+    colors,
+    group_mean,
+    layer,
+    mark_lines,
+    save,
+    time_axis,
+    timeline_key,
+    worker_series,
+)
+from testbed.report.marks import Mark
+from testbed.report.network_plot import plot_network
 from testbed.report.run import PLOT_TITLES, Run
 
-Labelled = Sequence[tuple[str, Run]]
-
-MAX_WORKER_LINES = 16  # more workers than this: only the mean and the spread are drawn
+WIDE_RANGE = 50  # positive values spanning more than this factor get logarithmic bins
 
 
-def _colors(count: int) -> list[tuple[float, float, float, float]]:
-    cmap = matplotlib.colormaps["tab10" if count <= 10 else "tab20"]
-    return [cmap(i % cmap.N) for i in range(count)]
-
-
-def _group_mean(keys: np.ndarray, *values: np.ndarray) -> tuple[np.ndarray, ...]:
-    """The distinct `keys` and, for each of `values`, its mean per key (NaNs ignored)."""
-    unique, inverse = np.unique(keys, return_inverse=True)
-    means = []
-    for value in values:
-        ok = np.isfinite(value)
-        sums = np.bincount(inverse[ok], weights=value[ok], minlength=len(unique))
-        counts = np.bincount(inverse[ok], minlength=len(unique))
-        with np.errstate(invalid="ignore", divide="ignore"):
-            means.append(sums / counts)
-    return (unique, *means)
-
-
-def _save(figure: Figure, path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=110, bbox_inches="tight", format="png")
-    return path
-
-
-def _faults(axes: Axes, runs: Labelled, colors: list) -> None:
-    """Vertical lines at the faults' times (on a time axis)."""
-    several = len(runs) > 1
-    for (label, run), color in zip(runs, colors, strict=True):
-        for index, fault in enumerate(run.faults):
-            axes.axvline(fault.t, color=color if several else "0.3", linestyle=":",
-                         linewidth=1.2,
-                         label=(f"faults ({label})" if several else "faults") if index == 0
-                         else None)
+def _step_of(run: Run, mark: Mark) -> tuple[float, float] | None:
+    """Where a timeline event lies on a step axis: the step it was scheduled before, or the
+    step the workers were at on average when it took effect; None outside training."""
+    steps, mean_t = group_mean(run.column("step"), run.column("t"))
+    ok = np.isfinite(mean_t)
+    steps, mean_t = steps[ok], mean_t[ok]
+    if not steps.size or not mean_t[0] <= mark.start <= mean_t[-1]:
+        return None
+    scheduled = mark.faults[0].fields.get("step")
+    start = float(scheduled) if isinstance(scheduled, int) else \
+        float(np.interp(mark.start, mean_t, steps))
+    return start, float(np.interp(mark.end, mean_t, steps))
 
 
 def plot_loss(runs: Labelled, path: Path) -> Path | None:
@@ -67,17 +58,23 @@ def plot_loss(runs: Labelled, path: Path) -> Path | None:
         return None
     figure = Figure(figsize=(8, 4.5))
     axes = figure.subplots()
-    colors = _colors(len(runs))
-    for (label, run), color in zip(runs, colors, strict=True):
+    palette = colors(len(runs))
+    for position, ((label, run), color) in enumerate(zip(runs, palette, strict=True)):
         steps, loss, rank = run.column("step"), run.column("loss"), run.column("rank")
-        unique, mean = _group_mean(steps, loss)
+        unique, mean = group_mean(steps, loss)
+        outer = np.unique(steps[np.isfinite(run.column("outer_step"))])
+        if outer.size:  # the steps that applied DiLoCo's outer updates, a dashed line each
+            several = len(runs) > 1
+            axes.vlines(outer, 0, 1, transform=axes.get_xaxis_transform(),
+                        color=color if several else "0.5", linestyle="--", linewidth=0.6,
+                        alpha=0.5, label=f"outer steps ({label})" if several else "outer steps")
         if len(runs) == 1:
             ranks = np.unique(rank)
             if len(ranks) <= MAX_WORKER_LINES:
-                for worker, worker_color in zip(ranks, _colors(len(ranks)), strict=True):
+                for worker, worker_color in zip(ranks, colors(len(ranks)), strict=True):
                     mine = rank == worker
-                    axes.plot(steps[mine], loss[mine], color=worker_color, linewidth=0.9,
-                              alpha=0.6, label=f"worker {int(worker)}")
+                    axes.plot(*broken(steps[mine], loss[mine]), color=worker_color,
+                              linewidth=0.9, alpha=0.6, label=f"worker {int(worker)}")
             axes.plot(unique, mean, color="black", linewidth=2.2, label="mean of workers")
         else:
             order = np.argsort(steps, kind="stable")
@@ -85,61 +82,59 @@ def plot_loss(runs: Labelled, path: Path) -> Path | None:
             low = np.fmin.reduceat(loss[order], starts)  # fmin/fmax: NaN only if all are
             high = np.fmax.reduceat(loss[order], starts)
             axes.fill_between(unique, low, high, color=color, alpha=0.15, linewidth=0)
-            axes.plot(unique, mean, color=color, linewidth=2, label=f"{label} (mean)")
+            axes.plot(unique, mean, color=color, linewidth=2 + 1.2 * layer(position, len(runs)),
+                      label=f"{label} (mean)")
     axes.set_title(PLOT_TITLES["loss"] + (" per worker" if len(runs) == 1
                                      else " per run (band: workers' min to max)"))
     axes.set_xlabel("step")
-    axes.set_ylabel("loss (cross-entropy, nats)")
+    axes.set_ylabel("training loss (cross-entropy, nats)")
     axes.grid(alpha=0.3)
+    mark_lines(axes, runs, palette, _step_of)
     axes.legend(fontsize="small", ncol=2 if len(axes.get_lines()) > 6 else 1)
-    return _save(figure, path)
+    timeline_key(axes, runs)
+    return save(figure, path)
 
 
 def plot_drift(runs: Labelled, path: Path) -> Path | None:
-    """Parameter drift against time since the start, faults marked."""
+    """Each worker's parameter drift (a distance, so the axis starts at 0) at every measurement
+    over the whole run, the timeline's events marked."""
     runs = [(label, run) for label, run in runs if run.has("drift")]
     if not runs:
         return None
     figure = Figure(figsize=(8, 4.5))
     axes = figure.subplots()
-    colors = _colors(len(runs))
-    for (label, run), color in zip(runs, colors, strict=True):
-        t, drift, rank = run.column("t"), run.column("drift"), run.column("rank")
-        ok = np.isfinite(drift)
-        if len(runs) == 1:
-            ranks = np.unique(rank[ok])
-            for worker, worker_color in zip(ranks, _colors(len(ranks)), strict=True):
-                mine = ok & (rank == worker)
-                axes.plot(t[mine], drift[mine], color=worker_color, linewidth=1.1,
-                          label=f"worker {int(worker)}")
-        else:
-            _, mean_t, mean_drift = _group_mean(run.column("step")[ok], t[ok], drift[ok])
-            axes.plot(mean_t, mean_drift, color=color, linewidth=2, label=f"{label} (mean)")
-    _faults(axes, runs, colors)
+    palette = colors(len(runs))
+    time_axis(axes, runs, palette)
+    worker_series(axes, runs, palette, "drift", marker="o")
+    axes.set_ylim(bottom=0.0)
     axes.set_title(PLOT_TITLES["drift"])
-    axes.set_xlabel("time since start (s)")
-    axes.set_ylabel("drift (L2 distance from the mean parameters)")
+    axes.set_ylabel("drift from the workers' mean, relative\n"
+                    r"$\|\theta_{worker} - \bar\theta\| \;/\; \|\bar\theta\|$")
     axes.grid(alpha=0.3)
-    axes.legend(fontsize="small")
-    return _save(figure, path)
+    axes.legend(fontsize="small", loc="upper left")
+    timeline_key(axes, runs)
+    return save(figure, path)
 
 
-def _histograms(axes: Axes, series: list[tuple[str, np.ndarray, tuple]], unit: str,
-                what: str) -> None:
+def _histograms(axes: Axes, series: list[tuple[str, np.ndarray, tuple]], what: str) -> None:
+    """One step histogram per series (ms), on shared bins: logarithmic where the positive
+    values span more than `WIDE_RANGE` (one slow step would crush the rest into one bin), the
+    steps at 0 then counted in the legend."""
     values = [v[np.isfinite(v)] for _, v, _ in series]
-    pooled = np.concatenate(values) if values else np.zeros(0)
-    if not pooled.size or not np.any(pooled > 0):
-        axes.text(0.5, 0.5, f"no {what} recorded", ha="center", va="center",
-                  transform=axes.transAxes, color="0.4")
-        axes.set_xticks([])
-        axes.set_yticks([])
-        return
-    edges = np.histogram_bin_edges(pooled, bins=min(40, max(5, int(np.sqrt(pooled.size)))))
+    positive = np.concatenate(values)[np.concatenate(values) > 0]
+    count = min(40, max(5, int(np.sqrt(positive.size))))
+    wide = positive.min() * WIDE_RANGE < positive.max()
+    edges = np.geomspace(positive.min(), positive.max(), count + 1) if wide else \
+        np.histogram_bin_edges(np.concatenate(values), bins=count)
     for (label, _, color), value in zip(series, values, strict=True):
         if value.size:
+            zeros = int(np.sum(value <= 0)) if wide else 0
             axes.hist(value, bins=edges, histtype="step", linewidth=1.6, color=color,
-                      label=f"{label} (median {np.median(value):.1f} {unit})")
-    axes.set_xlabel(f"{what} per step ({unit})")
+                      label=f"{label} (median {np.median(value):.1f} ms"
+                      + (f"; {zeros} steps at 0" if zeros else "") + ")")
+    if wide:
+        axes.set_xscale("log")
+    axes.set_xlabel(f"{what} per step (ms{', logarithmic' if wide else ''})")
     axes.set_ylabel("steps")
     axes.grid(alpha=0.3)
     axes.legend(fontsize="x-small")
@@ -147,32 +142,42 @@ def _histograms(axes: Axes, series: list[tuple[str, np.ndarray, tuple]], unit: s
 
 def plot_stragglers(runs: Labelled, path: Path) -> Path | None:
     """Histograms of the time a step waited after computing (the collective, waiting for
-    slower peers) and of the injected straggler delay, in milliseconds."""
+    slower peers) and of the injected straggler delay, in milliseconds; a panel only where some
+    step had one, the figure's title saying what was left out."""
     runs = [(label, run) for label, run in runs if run.steps]
-    if not runs:
-        return None
     waits: list[tuple[str, np.ndarray, tuple]] = []
     delays: list[tuple[str, np.ndarray, tuple]] = []
     if len(runs) == 1 and len(runs[0][1].ranks) <= 8:
         run = runs[0][1]
         rank = run.column("rank")
         wait, delay = run.column("wait_seconds") * 1e3, run.column("injected_delay_seconds") * 1e3
-        for worker, color in zip(run.ranks, _colors(len(run.ranks)), strict=True):
+        for worker, color in zip(run.ranks, colors(len(run.ranks)), strict=True):
             mine = rank == worker
             waits.append((f"worker {worker}", wait[mine], color))
             delays.append((f"worker {worker}", delay[mine], color))
     else:
-        for (label, run), color in zip(runs, _colors(len(runs)), strict=True):
+        for (label, run), color in zip(runs, colors(len(runs)), strict=True):
             waits.append((label, run.column("wait_seconds") * 1e3, color))
             delays.append((label, run.column("injected_delay_seconds") * 1e3, color))
-    figure = Figure(figsize=(11, 4.2))
-    left, right = figure.subplots(1, 2)
-    _histograms(left, waits, "ms", "wait after compute")
-    left.set_title("Wait after compute (collective + waiting for peers)", fontsize="medium")
-    _histograms(right, delays, "ms", "injected straggler delay")
-    right.set_title("Injected straggler delay", fontsize="medium")
-    figure.suptitle(PLOT_TITLES["stragglers"])
-    return _save(figure, path)
+    candidates = [
+        (waits, "wait after compute", "a wait", "Wait after compute (collective + waiting for "
+         "peers)"),
+        (delays, "injected straggler delay", "an injected straggler delay",
+         "Injected straggler delay"),
+    ]
+    recorded = [any(np.any(values > 0) for _, values, _ in c[0]) for c in candidates]
+    panels = [c for c, shown in zip(candidates, recorded, strict=True) if shown]
+    if not panels:
+        return None
+    figure = Figure(figsize=(5.5 * len(panels), 4.2))
+    for axes, (series, what, _, title) in zip(np.atleast_1d(figure.subplots(1, len(panels))),
+                                              panels, strict=True):
+        _histograms(axes, series, what)
+        axes.set_title(title, fontsize="medium")
+    notes = [f"\n(no step had {some}, so it is not drawn)"
+             for (_, _, some, _), shown in zip(candidates, recorded, strict=True) if not shown]
+    figure.suptitle(PLOT_TITLES["stragglers"] + "".join(notes), y=0.98, va="bottom")
+    return save(figure, path)
 
 
 def plot_links(runs: Labelled, path: Path) -> Path | None:
@@ -216,8 +221,8 @@ def plot_links(runs: Labelled, path: Path) -> Path | None:
     width = 0.8 / bars
     figure = Figure(figsize=(max(7.0, 0.9 * len(keys) * len(runs) + 3), 4.5))
     axes = figure.subplots()
-    colors = _colors(len(runs)) if len(runs) > 1 else [(0.12, 0.47, 0.71, 1.0)]
-    for index, ((label, _), color) in enumerate(zip(runs, colors, strict=True)):
+    palette = colors(len(runs)) if len(runs) > 1 else [(0.12, 0.47, 0.71, 1.0)]
+    for index, ((label, _), color) in enumerate(zip(runs, palette, strict=True)):
         offset = (2 * index - bars / 2 + 0.5) * width
         prefix = f"{label}: " if len(runs) > 1 else ""
         axes.bar(positions + offset, configured[index], width, color="white", edgecolor=color,
@@ -230,16 +235,20 @@ def plot_links(runs: Labelled, path: Path) -> Path | None:
     axes.set_ylabel("packet loss (%)")
     axes.grid(axis="y", alpha=0.3)
     axes.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))  # off the bars
-    return _save(figure, path)
+    return save(figure, path)
 
 
-_DRAW = {"loss": plot_loss, "drift": plot_drift, "stragglers": plot_stragglers,
-         "links": plot_links}
+_DRAW = {"loss": plot_loss, "network": plot_network, "drift": plot_drift,
+         "stragglers": plot_stragglers, "links": plot_links}
+# Why a plot is not drawn, and what would draw it.
 _MISSING = {
     "loss": "no step events",
-    "drift": "no step recorded a drift",
-    "stragglers": "no step events",
-    "links": "no link measurements",
+    "network": "no step used a collective (no bytes, datagrams or retransmits recorded)",
+    "drift": "no step recorded a drift; a run measures it every `metrics.drift_every` steps "
+             "(default 10, 0: never)",
+    "stragglers": "no step waited after compute or had an injected straggler delay",
+    "links": "no link measurements; `metrics.probe_links: true` has a run measure every shaped "
+             "link before training",
 }
 
 

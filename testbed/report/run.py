@@ -42,9 +42,10 @@ INDEX = "index.html"
 # File name, title: the plots in the order the page shows them.
 PLOT_TITLES = {
     "loss": "Training loss",
+    "network": "Network over time",
     "drift": "Parameter drift over time",
-    "stragglers": "Straggler delay distribution",
-    "links": "Loss per link: measured vs configured",
+    "stragglers": "Wait after compute and injected straggler delay",
+    "links": "Packet loss per link: measured vs configured",
 }
 
 
@@ -94,6 +95,19 @@ class Run:
     def has(self, name: str) -> bool:
         """Whether some step carries a finite value of `name`."""
         return bool(self.steps) and bool(np.isfinite(self.column(name)).any())
+
+    @property
+    def end_t(self) -> float | None:
+        """When the run's last step, fault, link measurement or end happened (seconds since
+        start): its wall time, and where its time plots end."""
+        times = [s.t for s in self.steps] + [e.t for e in (*self.faults, *self.links, *self.ends)]
+        return max(times) if times else None
+
+    @property
+    def training_t(self) -> float | None:
+        """When training started (the runner's `training` event): what comes before is setup
+        (namespaces, workers importing and meeting). None where the writer did not say."""
+        return next((float(e["t"]) for e in self.other if e.get("type") == "training"), None)
 
 
 def _read_lines(path: Path, warnings: list[str]) -> list[tuple[int, Any]]:
@@ -294,8 +308,6 @@ def summarize(run: Run, success: bool | None = None, error: str | None = None) -
         success = own.success if own else not any(w["success"] is False for w in workers)
     if error is None and own is not None:
         error = own.error
-    events_t = [s.t for s in run.steps] + [e.t for e in (*run.faults, *run.links, *run.ends)]
-
     def overall(key: str, how: str) -> float | None:
         if not count:
             return None
@@ -320,7 +332,7 @@ def summarize(run: Run, success: bool | None = None, error: str | None = None) -
         if total_computed + total_dropped else None,
         "bytes_sent": int(per["bytes_sent"].sum()) if count else 0,
         "bytes_received": int(per["bytes_received"].sum()) if count else 0,
-        "wall_seconds": max(events_t) if events_t else None,
+        "wall_seconds": run.end_t,
         "faults": len(run.faults),
         "final_drift": overall("final_drift", "mean"),
     }
@@ -404,7 +416,8 @@ def describe_steps(run_dir: str | Path) -> list[str]:
             line += (f"; longest step {longest.step_seconds:.2f} s (step {longest.step}, "
                      f"t {longest.t:.1f} s)")
         if len(steps) > 1:
-            gap, after = max((b.t - a.t, b) for a, b in itertools.pairwise(steps))
+            gap, after = max(((b.t - a.t, b) for a, b in itertools.pairwise(steps)),
+                             key=lambda pair: pair[0])  # steps do not compare: ties by gap
             line += f"; longest gap {gap:.2f} s (before step {after.step}, t {after.t:.1f} s)"
         lines.append(line)
     return lines

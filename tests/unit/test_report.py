@@ -30,7 +30,7 @@ from testbed.train.job import StepRecord
 
 PNG = b"\x89PNG\r\n\x1a\n"
 WORKERS, STEPS = 3, 12
-PLOT_NAMES = ("loss", "drift", "stragglers", "links")
+PLOT_NAMES = ("loss", "network", "drift", "stragglers", "links")
 
 
 class FakeClock:
@@ -225,9 +225,9 @@ def test_a_plot_without_data_is_left_out_and_said(tmp_path: Path):
     parent.step(record(0, 0, 0.0))  # no drift, no links
     parent.finish()
     rendered = render_run(tmp_path / "bare")
-    assert sorted(rendered.plots) == ["loss", "stragglers"]
+    assert sorted(rendered.plots) == ["loss", "network", "stragglers"]
     assert not (tmp_path / "bare" / "plots" / "drift.png").exists()
-    assert "not drawn (no link measurements)" in rendered.html.read_text()
+    assert "not drawn (no link measurements; " in rendered.html.read_text()
 
 
 def test_runs_compare_in_one_set_of_plots_labelled_by_run(tmp_path: Path):
