@@ -1,5 +1,5 @@
-"""Link shaping with the kernel's netem, usable on its own: profiles, backends, probes, and a
-User-Mode Linux sandbox for kernels without netem (`python -m netem.sandbox`)."""
+"""Link shaping with the kernel's netem, usable on its own: profiles, backends, probes, trace
+replay, and a User-Mode Linux sandbox for kernels without netem (`python -m netem.sandbox`)."""
 
 import pyroute2.config
 
@@ -15,6 +15,7 @@ from netem.backend import (
 from netem.plan import UnsupportedByKernel
 from netem.profile import GilbertElliott, LinkProfile, ProfileError
 from netem.session import Session
+from netem.trace import Replay, TraceError, load_trace, schedule
 
 # pyroute2 forks short-lived helpers (namespace creation, sockets in a namespace) that inherit this
 # process's signal handlers; when pyroute2 stops one with SIGTERM, a handler that raises would
@@ -26,12 +27,16 @@ __all__ = [
     "GilbertElliott",
     "LinkProfile",
     "ProfileError",
+    "Replay",
     "Session",
     "ShapingError",
+    "TraceError",
     "UnsupportedByKernel",
     "apply",
     "change",
     "clear",
     "installed",
+    "load_trace",
+    "schedule",
     "show",
 ]
