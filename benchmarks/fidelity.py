@@ -25,7 +25,7 @@ from benchmarks.report import Run
 from netem import apply
 from netem.capabilities import netem_available
 from netem.lab import Lab
-from netem.probe import Check, compare, offered_load, probe
+from netem.probe import PERCENTILES, Check, compare, offered_load, probe
 from netem.profile import LinkProfile
 
 REPO = Path(__file__).resolve().parents[1]
@@ -39,7 +39,12 @@ HEADLINE = {  # profile field -> the checks that measure it
     "duplicate": ("duplicate",),
     "corrupt": ("corrupt",),
     "rate": ("rate",),
+    "packet_overhead": ("rate",),
+    "cell_size": ("rate",),
+    "distribution": ("delay mean", "jitter (stdev)", *(f"delay p{p}" for p in PERCENTILES)),
+    "slot": ("slot wait",),
 }
+SAMPLES = REPO / "benchmarks" / "data" / "delays-lognormal.txt"  # its header says how it was made
 
 
 @dataclass(frozen=True)
@@ -50,6 +55,7 @@ class Case:
     size: int = 128
     interval: float = 0.0004
     mtu: int = 1500
+    family: int = 4  # the IP version the probes go over
 
     @property
     def profile(self) -> LinkProfile:
@@ -71,6 +77,22 @@ NETEM_CASES = (
     # about 75-100 Mbit/s of 1500-byte frames, so 100 Mbit/s is measured on 9000-byte frames.
     Case("rate 50mbit", {"rate": "50mbit"}),
     Case("rate 100mbit (MTU 9000)", {"rate": "100mbit"}, mtu=9000),
+    # Overheads on 1294-byte frames (MTU 1280, the least a lab with IPv6 addresses takes), where
+    # they cost the frames more than the rate's tolerance: 200 bytes a packet, and ATM's cells
+    # (an 8-byte AAL5 trailer, 48-byte cells with a 5-byte header each). The timed probes go
+    # every 800 us with 200 bytes more each, so that they take at most half the rate.
+    Case("rate 10mbit packet overhead 200 (MTU 1280)",
+         {"rate": "10mbit", "packet_overhead": 200}, mtu=1280, interval=0.0008),
+    Case("rate 10mbit ATM cells 48+5, overhead 8 (MTU 1280)",
+         {"rate": "10mbit", "packet_overhead": 8, "cell_size": 48, "cell_overhead": 5},
+         mtu=1280),
+    Case("slot 5ms-10ms, at most 64 packets or 32768 bytes a slot",
+         {"slot": {"min_delay": "5ms", "max_delay": "10ms", "max_packets": 64,
+                   "max_bytes": 32768}},
+         count=10_000),
+    Case("delay distribution from heavy-tailed samples (lognormal)",
+         {"distribution": {"samples": str(SAMPLES), "unit": "ms"}}, count=10_000),
+    Case("IPv6: delay 20ms loss 10%", {"delay": "20ms", "loss": "10%"}, count=10_000, family=6),
     Case(
         "WAN: delay 40ms jitter 8ms loss 2% rate 50mbit",
         {"delay": "40ms", "jitter": "8ms", "loss": "2%", "rate": "50mbit"},
@@ -108,7 +130,7 @@ def run_cases(cases: tuple[Case, ...], backend: str) -> list[Outcome]:
             result = probe(
                 a.netns,
                 b.netns,
-                b.address,
+                b.address6 if case.family == 6 else b.address,
                 count=case.count,
                 size=case.size,
                 interval=case.interval,
@@ -178,12 +200,16 @@ def report(outcomes: list[Outcome], guest: str, run: Run) -> str:
                 f"{backend}: Linux {kernel}" for backend, kernel in kernels)
                 + f". netem ran in: {guest}."),
             "Each case builds a fresh lab (two namespaces on a bridge), shapes the link into h1",
-            "on the switch-side port, and sends a timed probe train from h0 (UDP, the stated",
-            "number of probes of 128 bytes, 1024 for corruption, every 400 us; every 100 us for",
-            "the host's loss cases), plus a one-second bulk train for rates. The lab's veths run",
-            "without segmentation offloads, so every frame is wire-sized; the guest's one vCPU",
-            "forwards about 75-100 Mbit/s of 1500-byte frames, so its 100 Mbit/s case uses a",
-            "jumbo-frame lab (MTU 9000) and its other rate cases stay at 50 Mbit/s.",
+            "on the switch-side port, and sends a timed probe train from h0 (UDP over IPv4, over",
+            "IPv6 where the case says so; the stated number of probes of 128 bytes, 1024 for",
+            "corruption, every 400 us; every 800 us for the packet-overhead case, every 100 us",
+            "for the host's loss cases), plus a one-second bulk train for rates. The lab's veths",
+            "run without segmentation offloads, so every frame is wire-sized; the guest's one",
+            "vCPU forwards about 75-100 Mbit/s of 1500-byte frames, so its 100 Mbit/s case uses",
+            "a jumbo-frame lab (MTU 9000) and its other rate cases stay at 50 Mbit/s; the",
+            "overhead cases run at MTU 1280, where the overheads cost a frame more than the",
+            "rate's tolerance. The sample-built distribution's delays are",
+            "benchmarks/data/delays-lognormal.txt (its header says how they were made).",
             "Tolerances and the meaning of each quantity: docs/probes.md. `netem-in-UML` runs",
             "inside a User-Mode Linux guest (one vCPU); `fallback-host` is the host kernel's",
             "nftables loss and htb rate. The links are shaped with `netem.apply`",

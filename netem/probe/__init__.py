@@ -1,20 +1,18 @@
 """Probes: numbered, timestamped UDP trains that measure what a link really does.
 
 `wire` is the datagram's format, `engine` sends and receives trains between two network
-namespaces, `analysis` turns what arrived into statistics and sets them beside a `LinkProfile`.
+namespaces, `analysis` turns what arrived into statistics, `verdicts` sets them beside what a
+`LinkProfile` predicts.
 The names below are the ones callers use; docs/probes.md describes the whole.
 """
 
 from netem.probe.analysis import (
-    GUEST_TIMING_FLOOR,
-    TIMING_FLOOR,
-    Check,
+    PERCENTILES,
     ProbeResult,
     Train,
     analyze,
+    arrival_bunches,
     bulk_rate,
-    compare,
-    expected_burst_mean,
     first_arrivals,
     held_by_stalls,
     late_arrivals,
@@ -28,6 +26,15 @@ from netem.probe.engine import (
     offered_load,
     probe,
     run_train,
+)
+from netem.probe.verdicts import (
+    GUEST_TIMING_FLOOR,
+    TIMING_FLOOR,
+    Check,
+    compare,
+    expected_burst_mean,
+    expected_rate,
+    wire_bytes,
 )
 from netem.probe.wire import (
     FRAME_OVERHEAD,
@@ -53,6 +60,7 @@ __all__ = [
     "KIND_END",
     "KIND_PROBE",
     "KIND_WARMUP",
+    "PERCENTILES",
     "STATUS_MALFORMED",
     "STATUS_OK",
     "STATUS_PAYLOAD_CORRUPT",
@@ -63,11 +71,13 @@ __all__ = [
     "RateResult",
     "Train",
     "analyze",
+    "arrival_bunches",
     "bulk_rate",
     "compare",
     "decode",
     "encode",
     "expected_burst_mean",
+    "expected_rate",
     "first_arrivals",
     "held_by_stalls",
     "late_arrivals",
@@ -77,4 +87,5 @@ __all__ = [
     "overtaking_arrivals",
     "probe",
     "run_train",
+    "wire_bytes",
 ]

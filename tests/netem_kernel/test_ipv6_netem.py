@@ -9,7 +9,7 @@ import math
 import pytest
 
 from netem.probe import probe
-from netem.probe.analysis import GUEST_TIMING_FLOOR
+from netem.probe.verdicts import GUEST_TIMING_FLOOR
 
 pytestmark = pytest.mark.netem_kernel
 

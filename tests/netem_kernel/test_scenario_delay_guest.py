@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-from netem.probe.analysis import GUEST_TIMING_FLOOR
+from netem.probe.verdicts import GUEST_TIMING_FLOOR
 
 pytestmark = pytest.mark.netem_kernel
 

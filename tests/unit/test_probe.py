@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from netem.distribution import NETEM_DIST_SCALE, sample_table
 from netem.probe import (
     HEADER,
     KIND_END,
@@ -22,17 +23,20 @@ from netem.probe import (
     ProbeResult,
     Train,
     analyze,
+    arrival_bunches,
     bulk_rate,
     compare,
     decode,
     encode,
     expected_burst_mean,
+    expected_rate,
     first_arrivals,
     held_by_stalls,
     late_arrivals,
     loss_bursts,
     overtaking_arrivals,
     probe,
+    wire_bytes,
 )
 from netem.profile import LinkProfile
 
@@ -412,6 +416,146 @@ def test_delay_under_a_rate_with_jitter_is_not_predicted():
     checks = by_name(compare(profile, perfect(delay_mean=0.045)))
     assert checks["delay mean"].passed is None
     assert "in order" in checks["delay mean"].note
+
+
+# --- rate overheads, delay tables from samples, slots ----------------------------------------
+
+
+def test_netem_charges_packet_and_cell_overheads_to_the_rate():
+    # sch_netem.c's packet_time_ns: 590 + 8 bytes take 13 cells of 48, each 53 bytes long.
+    atm = LinkProfile.parse(rate="10mbit", packet_overhead=8, cell_size=48, cell_overhead=5)
+    assert wire_bytes(atm, 590) == 13 * 53
+    assert wire_bytes(atm, 40) == 53  # 48 bytes fill one cell exactly
+    assert wire_bytes(LinkProfile.parse(rate="10mbit", packet_overhead=100), 590) == 690
+    assert expected_rate(LinkProfile.parse(rate="10mbit"), 590) == 10e6
+
+
+@pytest.mark.parametrize(("rate", "passed"), [(8.56e6, True), (10e6, False)])
+def test_a_rate_with_overheads_expects_the_frames_share(rate, passed):
+    """590-byte frames are charged 689 bytes of an ATM link's 10 Mbit/s: 8.56 Mbit/s of frames
+    arrive, and a link that ignored the cells (10 Mbit/s of frames) fails."""
+    atm = LinkProfile.parse(rate="10mbit", packet_overhead=8, cell_size=48, cell_overhead=5)
+    checks = by_name(compare(atm, perfect(rate=rate, rate_frame_bytes=590)))
+    assert checks["rate"].configured == pytest.approx(10e6 * 590 / 689)
+    assert checks["rate"].passed is passed
+    assert "charged 689 bytes" in checks["rate"].note
+    # A 170-byte probe is charged 4 cells: 212 bytes to serialise at 10 Mbit/s.
+    assert checks["delay mean"].configured == pytest.approx(212 * 8 / 10e6)
+
+
+def test_overheads_count_in_the_load_a_probe_train_puts_on_the_rate():
+    # 170 + 100 bytes every 400 us are 5.4 Mbit/s: more than half of 10 Mbit/s.
+    heavy = LinkProfile.parse(rate="10mbit", packet_overhead=100)
+    checks = by_name(compare(heavy, perfect(interval=0.0004)))
+    assert checks["loss"].passed is None and "5.4 Mbit/s" in checks["loss"].note
+
+
+def lognormal_samples(path: Path) -> Path:
+    """2,000 heavy-tailed delays in ms, one a line."""
+    delays = np.random.default_rng(7).lognormal(np.log(20.0), 0.5, 2000)
+    path.write_text("".join(f"{delay:.3f}\n" for delay in delays))
+    return path
+
+
+def delays_train(delays: np.ndarray, interval: float = 0.0004) -> ProbeResult:
+    n = delays.size
+    sent_ns = (np.arange(n) * interval * 1e9).astype(np.int64)
+    return analyze(Train(sent=n, size=128, seq=np.arange(n), sent_ns=sent_ns,
+                         recv_ns=sent_ns + (delays * 1e9).astype(np.int64),
+                         payload_ok=np.ones(n, bool), interval=interval))
+
+
+def test_delay_quantiles_of_a_table_built_from_samples(tmp_path):
+    """Delays drawn as netem draws them from the table (delay + jitter * entry / 8192) match the
+    samples' quantiles; delays of the same mean and spread, drawn uniformly, miss both ends."""
+    samples = lognormal_samples(tmp_path / "delays.txt")
+    profile = LinkProfile.parse(distribution={"samples": str(samples), "unit": "ms"})
+    table = np.asarray(sample_table(samples).table) / NETEM_DIST_SCALE
+    draws = np.random.default_rng(3).integers(0, table.size, 10_000)
+    checks = by_name(compare(profile, delays_train(profile.delay + profile.jitter * table[draws]),
+                             timing_floor=0.002))
+    measured = np.loadtxt(samples) / 1e3
+    for p in (10, 50, 90, 99):
+        check = checks[f"delay p{p}"]
+        assert check.passed is True, check
+        assert check.configured == pytest.approx(np.percentile(measured, p), abs=1e-6)
+        assert check.tolerance > 0.002  # the probes' count and the table's steps, then the floor
+    # A heavy tail's band is wider above: the tolerance is its wider side.
+    assert checks["delay p99"].tolerance > checks["delay p50"].tolerance
+    # The table cuts the tail at 4 jitters: its spread is a little below the jitter.
+    assert checks["jitter (stdev)"].configured < profile.jitter
+    assert checks["jitter (stdev)"].passed is True and checks["delay mean"].passed is True
+
+    uniform = profile.delay + profile.jitter * np.random.default_rng(4).uniform(
+        -math.sqrt(3), math.sqrt(3), 10_000)
+    flat = by_name(compare(profile, delays_train(uniform), timing_floor=0.002))
+    assert flat["delay p10"].passed is False and flat["delay p99"].passed is False
+
+
+def test_only_a_table_built_from_samples_has_its_quantiles_checked():
+    checks = by_name(compare(LinkProfile.parse(delay="20ms", jitter="5ms"), perfect()))
+    assert not [name for name in checks if name.startswith("delay p")]
+
+
+def slotted_arrivals(sent: np.ndarray, gaps: np.ndarray) -> np.ndarray:
+    """Arrival times (s) of probes sent at `sent` (s) through netem's slots (sch_netem.c,
+    netem_dequeue): a packet that finds the last slot past starts the next, `gaps[k]` later;
+    a slot lets go every packet that came before it opened."""
+    arrivals = np.empty(sent.size)
+    held: list[int] = []
+    opens, drawn = -1.0, iter(gaps)
+    for index, stamp in enumerate(sent):
+        if held and opens <= stamp:
+            arrivals[held], held = opens, []
+        if not held and opens < stamp:
+            opens = stamp + next(drawn)
+        held.append(index)
+    arrivals[held] = opens
+    return arrivals
+
+
+def slot_train(sent: np.ndarray, arrivals: np.ndarray, interval: float) -> ProbeResult:
+    n = arrivals.size
+    return analyze(Train(sent=n, size=128, seq=np.arange(n),
+                         sent_ns=(sent * 1e9).astype(np.int64),
+                         recv_ns=(arrivals * 1e9).astype(np.int64),
+                         payload_ok=np.ones(n, bool), interval=interval))
+
+
+def test_arrival_bunches_are_runs_closer_than_half_the_send_interval():
+    # Probes sent every ms arrive in three runs; the first-sent probe of each waited 3, 2, 1 ms.
+    sent = np.array([0, 1, 2, 3, 4, 5]) * 1_000_000
+    recv = np.array([3_000, 3_010, 3_020, 5_000, 5_010, 6_000]) * 1000
+    assert arrival_bunches(sent, recv, 0.001) == (3, pytest.approx(0.002))
+    assert arrival_bunches(sent[::-1], recv[::-1], 0.001) == (3, pytest.approx(0.002))
+    empty = arrival_bunches(sent[:0], recv[:0], 0.001)
+    assert empty[0] == 0 and math.isnan(empty[1])
+
+
+def test_the_first_probe_of_a_slots_bunch_waits_a_slot_gap():
+    """However the sender is paced: here every 0.4 ms, then with gaps of up to 3 ms."""
+    profile = LinkProfile.parse(slot={"min_delay": "5ms", "max_delay": "10ms", "max_packets": 64})
+    rng = np.random.default_rng(11)
+    gaps = rng.uniform(0.005, 0.010, 10_000)
+    for spacing in (np.full(10_000, 0.0004), rng.choice([0.0002, 0.0003, 0.003], 10_000)):
+        sent = np.cumsum(spacing)
+        result = slot_train(sent, slotted_arrivals(sent, gaps), spacing.mean())
+        checks = by_name(compare(profile, result, timing_floor=0.0005))
+        assert checks["slot wait"].configured == pytest.approx(0.0075)
+        assert checks["slot wait"].passed is True, checks["slot wait"]
+        assert checks["delay mean"].passed is None and "slot" in checks["delay mean"].note
+    # A link whose slots came 10-15 ms apart, or one without slots, fails.
+    sent = np.arange(10_000) * 0.0004
+    later = slot_train(sent, slotted_arrivals(sent, gaps + 0.005), 0.0004)
+    assert by_name(compare(profile, later))["slot wait"].passed is False
+    assert by_name(compare(profile, perfect()))["slot wait"].passed is False
+
+
+def test_slot_wait_is_not_predicted_where_the_slots_limits_cut_a_bunch():
+    # Up to 51 probes (at a catching-up sender's pace) may wait for a 10 ms slot; 8 may leave.
+    profile = LinkProfile.parse(slot={"min_delay": "5ms", "max_delay": "10ms", "max_packets": 8})
+    check = by_name(compare(profile, perfect(interval=0.0004)))["slot wait"]
+    assert check.passed is None and "lets 8 go" in check.note
 
 
 @pytest.mark.parametrize(("address", "largest_mtu"), [("127.0.0.1", 65_535), ("::1", 65_536)])
