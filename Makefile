@@ -15,7 +15,7 @@ measure: bootstrap
 test: bootstrap
 	$(VENV)/bin/ruff check netem testbed tests benchmarks examples scripts
 	$(VENV)/bin/lint-imports
-	$(VENV)/bin/python -m pytest -m "not netem_kernel and not compose" tests
+	$(VENV)/bin/python -m pytest -m "not netem_kernel and not compose and not gpu" tests
 	$(VENV)/bin/python -m pytest -m compose tests
 	$(VENV)/bin/testbed sandbox pytest -m netem_kernel tests
 

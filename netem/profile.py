@@ -43,6 +43,7 @@ MAX_JITTER = (2**31 - 1) / 1e9  # netem's delay table takes a signed 32-bit sigm
 S32_MIN, S32_MAX = -(2**31), 2**31 - 1
 U32_MAX, U64_MAX = 2**32 - 1, 2**64 - 1
 MAX_S64_SECONDS = (2**63 - 1) // 10**9  # the whole seconds a signed 64-bit count of ns holds
+MAX_RATE = U64_MAX * 8 // 10**12 * 10**12  # bits/s: netem's u64 of bytes/s, in whole tbit
 TIMES = ("delay", "jitter", "min_delay", "max_delay")  # fields in seconds, shown with a unit
 
 
@@ -60,18 +61,41 @@ def _human(info: ValidationInfo) -> bool:
     return bool(info.context and info.context.get("human"))
 
 
+def _kept(value: float, given: Any, least: str, info: ValidationInfo) -> float:
+    """`value` on the grid; in human input, refused where it is not 0 but the grid makes it 0
+    (it would vanish from the link without a word)."""
+    kept = _on_grid(value)
+    if value and not kept and _human(info):
+        raise ValueError(f"expected 0 or at least {least} (less would be 0 to netem), got "
+                         f"{given!r}")
+    return kept
+
+
 def _link_time(value: Any, info: ValidationInfo) -> float:
-    return _on_grid(parse_time(value, unit_required=_human(info)))
+    seconds = _kept(parse_time(value, unit_required=_human(info)), value, "1ns", info)
+    if seconds > MAX_S64_SECONDS:
+        raise ValueError(f"expected at most {MAX_S64_SECONDS}s (netem keeps a time as signed "
+                         f"64-bit nanoseconds), got {value!r}")
+    return seconds
+
+
+def _fraction(value: Any, info: ValidationInfo) -> float:
+    return _kept(parse_fraction(value), value, "0.0000001%", info)
 
 
 def _link_rate(value: Any, info: ValidationInfo) -> int:
-    return max(8, parse_rate(value, unit_required=_human(info)) // 8 * 8)
+    bits = parse_rate(value, unit_required=_human(info))
+    if bits > MAX_RATE:
+        raise ValueError(f"expected at most {MAX_RATE // 10**12}tbit (netem keeps a rate as "
+                         f"64-bit bytes per second), got {value!r}")
+    return max(8, bits // 8 * 8)
 
 
 Seconds = Annotated[float, BeforeValidator(lambda v: _on_grid(parse_time(v)))]
-LinkTime = Annotated[float, BeforeValidator(_link_time)]  # a unit required in human input
-SlotTime = Annotated[LinkTime, Field(le=MAX_S64_SECONDS)]  # the kernel's s64 nanoseconds
-Fraction = Annotated[float, BeforeValidator(lambda v: _on_grid(parse_fraction(v)))]
+# A link's time, on the kernel's grid and within its s64 nanoseconds; a unit required in human
+# input.
+LinkTime = Annotated[float, BeforeValidator(_link_time)]
+Fraction = Annotated[float, BeforeValidator(_fraction)]  # a probability netem keeps
 BitsPerSecond = Annotated[int, BeforeValidator(_link_rate)]  # a unit required in human input
 
 
@@ -224,10 +248,10 @@ class Slot(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    min_delay: SlotTime = 0.0
-    max_delay: SlotTime = 0.0
+    min_delay: LinkTime = 0.0
+    max_delay: LinkTime = 0.0
     distribution: Distribution | None = None
-    delay: SlotTime = 0.0
+    delay: LinkTime = 0.0
     jitter: LinkTime = 0.0
     max_packets: int = Field(default=0, ge=0, le=S32_MAX)  # netem's 'no limit' (S32_MAX) is 0
     max_bytes: int = Field(default=0, ge=0, le=S32_MAX)

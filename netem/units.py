@@ -31,7 +31,7 @@ _UP_TO_HUNDRED = r"0*(?:100(?:\.0+)?|[0-9]{1,2}(?:\.[0-9]+)?|\.[0-9]+)"
 
 TIME_HELP = "a duration such as '10ms', '1.5s', '250us' or a number of seconds"
 FRACTION_HELP = "a percentage such as '5%' or a fraction between 0 and 1"
-RATE_HELP = "a rate such as '100mbit', '1gbit', '500kbit' (bits/s) or '10mbps' (bytes/s)"
+RATE_HELP = "a rate such as '100mbit', '1gbit' or '500kbit' (bits/s)"
 SIZE_HELP = "a size such as '20MB', '512kB', '1MiB' or a number of bytes"
 
 
@@ -65,8 +65,7 @@ QUANTITIES = {
         TIME_HELP, " (not negative)", base="seconds", suggested=("ms", "s")),
     "fraction": Quantity({"": 1.0, "%": 0.01}, FRACTION_HELP, "", maximum=1),
     "rate": Quantity(
-        {"": 1, "bit": 1, "bps": 8, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9,
-         "tbit": 10**12, "kbps": 8 * 10**3, "mbps": 8 * 10**6, "gbps": 8 * 10**9},
+        {"": 1, "bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12},
         RATE_HELP, " (greater than zero)", positive=True, base="bits/s",
         suggested=("mbit", "kbit")),
     "size": Quantity(
@@ -74,6 +73,11 @@ QUANTITIES = {
          "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30},
         SIZE_HELP, " (not negative)", base="bytes", suggested=("MB", "kB")),
 }
+
+# Rates in "bps" units: bytes per second to tc, bits per second to most tools and people, so
+# refused as ambiguous (`parse_rate` names both readings).
+_AMBIGUOUS_RATE = re.compile(rf"\s*({_NUMBER})\s*([kmgt]?)bps\s*", re.IGNORECASE)
+_PREFIXES = {"": "", "k": "kilo", "m": "mega", "g": "giga", "t": "tera"}
 
 
 def pattern(kind: str, *, unit_required: bool = False, positive: bool = False) -> str:
@@ -146,8 +150,17 @@ def parse_fraction(value: object) -> float:
 
 
 def parse_rate(value: object, *, unit_required: bool = False) -> int:
-    """Bits per second from '100mbit', '1gbit', '10mbps' (bytes) or a number of bits/s (with
-    `unit_required`, only from a string with its unit)."""
+    """Bits per second from '100mbit', '1gbit', '500kbit' or a number of bits/s (with
+    `unit_required`, only from a string with its unit). '100mbps' is refused as ambiguous."""
+    ambiguous = _AMBIGUOUS_RATE.fullmatch(value) if isinstance(value, str) else None
+    if ambiguous:
+        number, prefix = ambiguous.group(1), ambiguous.group(2).lower()
+        as_bytes = _trim(float(number) * 8, 9)
+        raise ValueError(
+            f"expected a rate in bits per second, got {value!r}, which is ambiguous: tc reads "
+            f"{prefix}bps as {_PREFIXES[prefix]}bytes per second ('{as_bytes}{prefix}bit'), "
+            f"most tools as {_PREFIXES[prefix]}bits per second ('{number}{prefix}bit'): write "
+            "the one you mean")
     return round(_parse_quantity(value, QUANTITIES["rate"], unit_required=unit_required))
 
 

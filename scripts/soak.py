@@ -20,8 +20,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 VENV = Path(os.environ.get("VENV", ROOT / ".venv"))
 TIERS = {
-    "host": [str(VENV / "bin/python"), "-m", "pytest", "-m", "not netem_kernel and not compose",
-             "tests"],
+    "host": [str(VENV / "bin/python"), "-m", "pytest", "-m",
+             "not netem_kernel and not compose and not gpu", "tests"],
     "compose": [str(VENV / "bin/python"), "-m", "pytest", "-m", "compose", "tests"],
     "guest": [str(VENV / "bin/testbed"), "sandbox", "pytest", "-m", "netem_kernel", "tests"],
 }

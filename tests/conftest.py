@@ -1,6 +1,7 @@
 """Test tiers. `netns` needs root on the host kernel; `netem_kernel` needs sch_netem (the UML
 guest provides it: `testbed sandbox pytest -m netem_kernel`). A tier whose requirements are
-missing fails under CI and is skipped, with the reason, elsewhere."""
+missing fails under CI and is skipped, with the reason, elsewhere. `gpu` needs CUDA, which the
+CI machines lack: it is skipped with its reason wherever CUDA is missing, CI included."""
 
 from __future__ import annotations
 
@@ -31,7 +32,17 @@ def _missing(marker: str) -> str | None:
     return None
 
 
+def _cuda_missing() -> str | None:
+    import torch
+
+    if torch.cuda.is_available():
+        return None
+    return "needs CUDA (torch.cuda.is_available() is False)"
+
+
 def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.get_closest_marker("gpu") is not None and (reason := _cuda_missing()):
+        pytest.skip(reason)  # never a failure: no CI machine has a GPU
     for marker in ("netns", "netem_kernel"):
         if item.get_closest_marker(marker) is None:
             continue

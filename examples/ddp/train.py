@@ -1,6 +1,6 @@
 """A plain data-parallel training script, written for torchrun: nothing of the testbed in it.
 
-    torchrun --nproc-per-node 4 train.py --steps 30
+    torchrun --nproc-per-node 4 train.py --steps 30 [--device cuda]
 
 It trains a small classifier on synthetic data (each rank its own shard), with DDP over
 torch.distributed's gloo, and prints one JSON line per step (rank 0) and, at the end, a
@@ -13,6 +13,7 @@ import argparse
 import gc
 import hashlib
 import json
+import os
 import time
 
 import torch
@@ -32,7 +33,7 @@ def batches(rank: int, steps: int, batch: int, features: int, classes: int):
 
 
 def checksum(model: nn.Module) -> str:
-    values = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    values = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu()
     return hashlib.sha256(values.numpy().tobytes()).hexdigest()[:16]
 
 
@@ -43,15 +44,19 @@ def main(comm_hook=None) -> None:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--lr", type=float, default=0.1,
                         help="SGD's step size; wide models need a smaller one")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="cuda: this rank's GPU (LOCAL_RANK among those it sees)")
     args = parser.parse_args()
 
     dist.init_process_group("gloo")  # RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from torchrun
     rank = dist.get_rank()
     torch.manual_seed(0)  # every replica starts from the same weights (DDP checks it too)
     features, classes = 32, 10
+    device = (torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+              if args.device == "cuda" else torch.device("cpu"))
     net = nn.Sequential(nn.Linear(features, args.hidden), nn.ReLU(),
-                        nn.Linear(args.hidden, classes))
-    model = DistributedDataParallel(net)
+                        nn.Linear(args.hidden, classes)).to(device)
+    model = DistributedDataParallel(net, device_ids=[device] if device.type == "cuda" else None)
     if comm_hook is not None:  # a communication hook of the caller's: DDP's own extension point
         model.register_comm_hook(state=None, hook=comm_hook())
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
@@ -59,7 +64,7 @@ def main(comm_hook=None) -> None:
     started = time.monotonic()
     for step, (x, y) in enumerate(batches(rank, args.steps, args.batch, features, classes)):
         optimizer.zero_grad()
-        loss = loss_fn(model(x), y)
+        loss = loss_fn(model(x.to(device)), y.to(device))
         loss.backward()
         optimizer.step()
         if rank == 0:

@@ -7,7 +7,9 @@ import dataclasses
 import json
 import os
 import time
-from typing import Annotated, Literal
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Literal
 
 import typer
 from rich.console import Console
@@ -17,16 +19,35 @@ from testbed.cli.render import (
     demo_table,
     probe_summary,
     probe_table,
+    replay_line,
     rules_table,
+    trace_line,
 )
 from testbed.cli.sandbox import call_sandbox
 
+if TYPE_CHECKING:
+    from netem.profile import LinkProfile
+
 commands = typer.Typer()
+MAPPINGS = ("distribution", "slot")  # flags that take a YAML mapping (of a scenario's field)
 
 
 def _set(name: str, what: str) -> typer.models.OptionInfo:
     """`--NAME`, a field of the link's profile."""
     return typer.Option(f"--{name}", help=what, show_default=False)
+
+
+def _mapping_or_text(flag: str, value: str | None) -> object:
+    """A flag's value: a YAML flow mapping (`{samples: rtt.txt, unit: ms}`, as a scenario file
+    writes the field) as a mapping, anything else as it is."""
+    import yaml
+
+    if value is None or not value.lstrip().startswith("{"):
+        return value
+    try:
+        return yaml.safe_load(value)
+    except yaml.YAMLError as error:
+        raise ValueError(f"{flag}: not a YAML mapping: {error}") from None
 
 
 def _expect(name: str, what: str) -> typer.models.OptionInfo:
@@ -149,7 +170,8 @@ def shape(
     delay: Annotated[str | None, _set("delay", "Delay, e.g. 20ms.")] = None,
     jitter: Annotated[str | None, _set("jitter", "Delay variation, e.g. 5ms.")] = None,
     distribution: Annotated[
-        str | None, _set("distribution", "Of the jitter: uniform, normal, pareto, paretonormal.")
+        str | None, _set("distribution", "Of the jitter: uniform, normal, pareto, paretonormal, "
+                         "or made from measured delays: '{samples: FILE, unit: ms}'.")
     ] = None,
     delay_correlation: Annotated[
         str | None, _set("delay-correlation", "Of successive delays, e.g. 25%.")
@@ -166,8 +188,21 @@ def shape(
     corrupt: Annotated[str | None, _set("corrupt", "Corruption (a flipped bit), e.g. 1%.")] = None,
     reorder: Annotated[str | None, _set("reorder", "Packets sent early (needs a delay).")] = None,
     gap: Annotated[int | None, _set("gap", "Reorder every GAP-th packet.")] = None,
+    ecn: Annotated[bool, typer.Option("--ecn", help="Mark ECN-capable packets instead of "
+                                      "dropping them (needs a loss).")] = False,
     rate: Annotated[str | None, _set("rate", "Rate, e.g. 100mbit.")] = None,
+    overhead: Annotated[int | None, _set("overhead", "Bytes added to each packet's size for "
+                                         "the rate (negative: taken off).")] = None,
+    cell_size: Annotated[int | None, _set("cell-size", "The rate is paid in whole cells of "
+                                          "this many bytes (ATM: 48).")] = None,
+    cell_overhead: Annotated[int | None, _set("cell-overhead", "Bytes added to every "
+                                              "cell.")] = None,
+    slot: Annotated[str | None, _set("slot", "Packets leave in slots: '{min_delay: 1ms, "
+                                     "max_delay: 5ms, max_packets: 10}' (docs/profiles.md).")
+                    ] = None,
     limit: Annotated[int | None, _set("limit", "Queue length in packets (1000).")] = None,
+    seed: Annotated[int | None, _set("seed", "Seed of netem's random numbers: the same seed "
+                                     "and traffic, the same decisions.")] = None,
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="Print the equivalent tc/nft commands; needs no "
                            "root, touches nothing (the other sources' rules are not read).")
@@ -177,9 +212,26 @@ def shape(
         bool, typer.Option("--clear", help="Remove all shaping from IFACE.")
     ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    trace: Annotated[
+        Path | None, typer.Option("--trace", help="Replay a link trace on IFACE (the other "
+                                  "flags: the profile it moves) until it ends or Ctrl-C, then "
+                                  "restore what was there. docs/conditions.md.",
+                                  show_default=False)
+    ] = None,
+    trace_format: Annotated[
+        Literal["mahimahi", "csv"] | None,
+        typer.Option("--format", help="Of the trace. Default: csv for a .csv file, else "
+                     "mahimahi.", show_default=False),
+    ] = None,
+    resolution: Annotated[
+        str, typer.Option(help="How often the replay changes the link (10ms at least).")
+    ] = "100ms",
+    loop: Annotated[bool, typer.Option("--loop/--no-loop", help="Start the trace again at "
+                                       "its end.")] = True,
 ) -> None:
     """Shape an interface with a link profile, per source (like tcconfig's tcset); --show reads
-    it back from the kernel (tcshow), --clear removes it (tcdel). docs/shaping.md."""
+    it back from the kernel (tcshow), --clear removes it (tcdel); --trace replays a recorded
+    link. docs/shaping.md."""
     from pyroute2.netlink.exceptions import NetlinkError
 
     from netem.backend import (
@@ -187,7 +239,6 @@ def shape(
         UnsupportedByKernel,
         change,
         clear,
-        resolve_backend,
         show,
     )
     from netem.plan import build_plan, parse_source, render_commands, source_key
@@ -200,8 +251,9 @@ def shape(
     fields = {
         "delay": delay, "jitter": jitter, "distribution": distribution,
         "delay_correlation": delay_correlation, "loss": loss, "loss_correlation": loss_correlation,
-        "duplicate": duplicate, "corrupt": corrupt, "reorder": reorder, "gap": gap, "rate": rate,
-        "limit": limit,
+        "ecn": ecn or None, "duplicate": duplicate, "corrupt": corrupt, "reorder": reorder,
+        "gap": gap, "rate": rate, "packet_overhead": overhead, "cell_size": cell_size,
+        "cell_overhead": cell_overhead, "slot": slot, "limit": limit, "seed": seed,
     }
     spec: dict[str, object] = {name: value for name, value in fields.items() if value is not None}
     ge = {"p": ge_p, "r": ge_r, "1-h": ge_1_h, "1-k": ge_1_k}
@@ -209,17 +261,31 @@ def shape(
         spec["gilbert_elliott"] = {name: value for name, value in ge.items() if value is not None}
     if dry_run + show_rules + clear_rules > 1:
         raise fail("--dry-run, --show and --clear exclude one another", 2)
+    if trace is not None and (dry_run or show_rules or clear_rules or source is not None):
+        raise fail("--trace replays on the whole interface: no --from, --dry-run, --show or "
+                   "--clear with it", 2)
     if (show_rules or clear_rules) and (spec or source is not None):
         raise fail("--show and --clear take no profile and no --from", 2)
     try:
-        profile = LinkProfile.parse(spec)
         key = None if source is None else source_key(parse_source(source))
+    except ValueError:
+        raise fail(f"--from: source {source!r} is not an IPv4 address or network, e.g. "
+                   "198.18.0.1 or 198.18.0.0/24 (without --from: everyone else's traffic)",
+                   2) from None
+    if not (spec or show_rules or clear_rules or trace):
+        raise fail("nothing to shape: give what the link does (--delay, --loss, --rate, ...); "
+                   "--clear removes the shaping, --show prints it", 2)
+    try:
+        profile = LinkProfile.parse({name: _mapping_or_text(f"--{name}", value)
+                                     if name in MAPPINGS else value
+                                     for name, value in spec.items()})
         if dry_run:
-            unprobed = backend == "auto" and os.geteuid() != 0
-            if unprobed:
-                typer.echo("testbed shape: not root, so the kernel was not probed: showing the "
-                           "netem backend (--backend fallback shows the other)", err=True)
-            chosen = "netem" if unprobed else resolve_backend(backend)
+            if backend == "auto":  # what the netem backend would do, unless told otherwise
+                why = ("not root, so the kernel was not probed" if os.geteuid() != 0
+                       else "a dry run does not probe the kernel")
+                typer.echo(f"testbed shape: {why}: showing the netem backend (--backend "
+                           "fallback shows the other)", err=True)
+            chosen = "netem" if backend == "auto" else backend
             plan = build_plan(iface, {key: profile}, direction=direction, backend=chosen)
     except UnsupportedByKernel as exc:
         hint = "\n(--backend netem --dry-run prints the netem commands)" if dry_run else ""
@@ -235,6 +301,11 @@ def shape(
         return
     if os.geteuid() != 0:
         raise fail("shaping needs root (CAP_NET_ADMIN); --dry-run prints the commands without", 1)
+    if trace is not None:
+        _replay(iface, netns, profile, trace, fail, trace_format=trace_format,
+                resolution=resolution, loop=loop, direction=direction, backend=backend,
+                as_json=as_json)
+        return
     try:
         if clear_rules:
             clear(iface, netns=netns)
@@ -254,6 +325,59 @@ def shape(
         "backend": applied.backend, "direction": applied.direction, "device": applied.device,
         "in_place": applied.in_place, "offloads_disabled": applied.offloads_disabled,
     })
+
+
+def _replay(
+    iface: str,
+    netns: str | None,
+    profile: LinkProfile,
+    trace: Path,
+    fail: Callable[[object, int], typer.Exit],
+    *,
+    trace_format: Literal["mahimahi", "csv"] | None,
+    resolution: str,
+    loop: bool,
+    direction: Literal["egress", "ingress"],
+    backend: Literal["auto", "netem", "fallback"],
+    as_json: bool,
+) -> None:
+    """`shape --trace`: replay until the trace ends or Ctrl-C (exit code 130), then restore."""
+    from pyroute2.netlink.exceptions import NetlinkError
+
+    from netem.backend import ShapingError, UnsupportedByKernel
+    from netem.trace import Replay, TraceError, load_trace, schedule
+    from netem.units import parse_time
+
+    try:
+        plan = schedule(load_trace(trace, trace_format), parse_time(resolution))
+        replay = Replay(iface, profile, plan, netns=netns, loop=loop, direction=direction,
+                        backend=backend)
+    except (TraceError, ValueError) as exc:
+        raise fail(exc, 2) from None
+    summary = plan.describe()
+    console = Console(stderr=as_json)
+    console.print(trace_line(summary))
+    interrupted = False
+    try:
+        with replay:
+            try:
+                while not replay.wait(0.5):  # the main thread stays where Ctrl-C lands
+                    pass
+            except KeyboardInterrupt:
+                interrupted = True
+    except UnsupportedByKernel as exc:
+        raise fail(exc, 2) from None
+    except (ShapingError, NetlinkError, OSError, ValueError) as exc:
+        raise fail(exc, 1) from None
+    if as_json:
+        typer.echo(json.dumps({"iface": iface, "netns": netns,
+                               "trace": dataclasses.asdict(summary),
+                               "late": dataclasses.asdict(replay.late),
+                               "interrupted": interrupted}, indent=2))
+    else:
+        console.print(replay_line(iface, replay.late, interrupted=interrupted))
+    if interrupted:
+        raise typer.Exit(130)
 
 
 def _print_rules(

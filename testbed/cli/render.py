@@ -14,9 +14,12 @@ from rich.table import Table
 if TYPE_CHECKING:
     from netem.capabilities import Capabilities
     from netem.probe import Check, ProbeResult
+    from netem.trace import Lateness, TraceSummary
     from testbed.cluster.runner import ClusterRun, RunResult
 
 VERDICTS = {True: "[green]pass[/green]", False: "[red]FAIL[/red]"}
+NOT_REPEATABLE = ("the fallback's loss is not repeatable: nftables' numgen takes no seed "
+                  "(netem's decisions follow each link's seed: docs/profiles.md)")
 
 
 def number(value: float | None, digits: int = 4) -> str:
@@ -27,8 +30,11 @@ def number(value: float | None, digits: int = 4) -> str:
 
 def capabilities_table(capabilities: Capabilities,
                        consequences: Mapping[str, tuple[str, str]]) -> Table:
-    """`testbed doctor`: each capability, whether it is here, what was found, what follows."""
+    """`testbed doctor`: each capability, whether it is here, what was found, what follows
+    (without netem: that the fallback's loss is not repeatable)."""
     table = Table(title="testbed doctor")
+    if not dict(capabilities.items()).get("netem"):
+        table.caption = f"without netem, {NOT_REPEATABLE}"
     for column in ("capability", "here", "found", "what follows"):
         table.add_column(column)
     for name, available in capabilities.items():
@@ -93,6 +99,29 @@ def applied_line(iface: str, applied: Mapping) -> str:
             f"{applied['device']}), {how}; offloads off on {iface}: {offloads}")
 
 
+def trace_line(summary: TraceSummary) -> str:
+    """`testbed shape --trace`: what the trace holds, as `describe` reports it."""
+    from netem.units import format_rate
+
+    rates = "no rate"
+    if summary.mean_rate is not None:
+        mean, least, most = (format_rate(round(value or 0)) for value in
+                             (summary.mean_rate, summary.min_rate, summary.max_rate))
+        rates = f"rate mean {mean}, min {least}, max {most}"
+    floor = f", {summary.floor_windows} windows without an opportunity" if (
+        summary.floor_windows) else ""
+    return (f"{summary.source}: {summary.length:g}s in {summary.windows} windows of "
+            f"{summary.resolution * 1000:g}ms, {', '.join(summary.fields)}; {rates}{floor}")
+
+
+def replay_line(iface: str, late: Lateness, *, interrupted: bool) -> str:
+    """`testbed shape --trace`: how the replay went, and that the interface is restored."""
+    how = "stopped (Ctrl-C)" if interrupted else "ended"
+    return (f"{iface}: replay {how}, shaping restored; {late.changes} changes, late by "
+            f"{late.mean * 1000:.2f}ms mean, {late.p99 * 1000:.2f}ms p99, "
+            f"{late.max * 1000:.2f}ms max; {late.skipped} windows skipped")
+
+
 def demo_table(rows: Iterable[Sequence[str]], elapsed: float) -> Table:
     """`testbed demo`: each link's quantities, configured against measured (rows ending in
     their verdict, pass or FAIL)."""
@@ -139,8 +168,11 @@ def live_table(cluster: ClusterRun) -> Table:
 
 def summary_table(cluster: ClusterRun, result: RunResult) -> Table:
     """`testbed run`, at the end: each worker's outcome (a command job's exit code and time, a
-    training job's steps, final loss and evaluation)."""
+    training job's steps, final loss and evaluation); shaped by the fallback, that its loss is
+    not repeatable."""
     summary = Table(title=f"{cluster.scenario.name}: summary ({result.seconds:.1f} s)")
+    if cluster.shaped_by == "fallback":
+        summary.caption = f"shaped by the fallback: {NOT_REPEATABLE}"
     if cluster.scenario.command is not None:
         for column in ("worker", "status", "exit code", "seconds", "restarts"):
             summary.add_column(column)

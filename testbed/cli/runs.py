@@ -94,7 +94,7 @@ def run(
 
     path = find_scenario(scenario)
     try:
-        loaded = load_scenario(path, steps=steps)
+        loaded = load_scenario(path, steps=steps, files=True)
     except ScenarioError as error:
         typer.echo(str(error), err=True)
         raise typer.Exit(2) from None
@@ -213,6 +213,10 @@ def capture_command(
     cannot be read."""
     from netem.capture import MANIFEST, PcapError, analyse, load_manifest, write_flows
 
+    if not run_dir.is_dir():
+        typer.echo(f"RUN_DIR: {run_dir} is not a directory (a run directory, or its capture/)",
+                   err=True)
+        raise typer.Exit(2)
     directory = run_dir if (run_dir / MANIFEST).exists() else run_dir / "capture"
     try:
         manifest = load_manifest(directory)

@@ -27,28 +27,36 @@ def scenario_schema(
     if out is None:
         typer.echo(text, nl=False)
     else:
-        Path(out).write_text(text)
+        try:
+            Path(out).write_text(text)
+        except OSError as error:
+            typer.echo(f"--out: {out}: {error.strerror or error}", err=True)
+            raise typer.Exit(2) from None
         typer.echo(f"schema: {out}")
 
 
 @commands.command("check")
 def scenario_check(
-    files: Annotated[list[str], typer.Argument(help="Scenario files (YAML).",
-                                               show_default=False)],
+    files: Annotated[list[str], typer.Argument(
+        help="Scenario files (YAML), or the names of shipped ones (compose/scenarios/NAME.yaml).",
+        show_default=False)],
     steps: Annotated[int | None, typer.Option(
         min=1, help="Check the scenario shortened to this many steps (as CI runs it).",
         show_default=False)] = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object per file "
                                               "in a list (docs/cli.md).")] = False,
 ) -> None:
-    """Validate scenario files: one summary line per good file, every problem of a bad one
-    (path, line, what is allowed). Exit code 2 if any file is bad (bad input)."""
-    from testbed.scenario import ScenarioError, load_scenario
+    """Validate scenario files: one summary line per good file (and how the run orders its
+    timeline where that is not the file's order), every problem of a bad one (path, line,
+    what is allowed), a command job's missing directory, program or script included. Exit code
+    2 if any file is bad (bad input)."""
+    from testbed.scenario import ScenarioError, find_scenario, load_scenario
+    from testbed.scenario.timeline import order_note
 
     results = []
     for name in files:
         try:
-            scenario = load_scenario(Path(name), steps=steps)
+            scenario = load_scenario(find_scenario(name), steps=steps, files=True)
         except ScenarioError as error:
             results.append({"file": name, "ok": False, "problems": [
                 {"path": p.path, "line": p.line, "message": p.message} for p in error.problems]})
@@ -59,6 +67,9 @@ def scenario_check(
                             "summary": scenario.summary()})
             if not json_output:
                 typer.echo(f"ok {name}: {scenario.summary()}")
+                note = order_note(scenario.timeline)
+                if note is not None:
+                    typer.echo(f"  note: {note}")
     bad = sum(not result["ok"] for result in results)
     if json_output:
         typer.echo(json.dumps(results, indent=2))

@@ -20,8 +20,12 @@ interface on that network), and TESTBED_RANK, TESTBED_ADDRESSES (every worker's 
 rank), TESTBED_RUN_DIR, TESTBED_SCENARIO, TESTBED_WORKER_SPEC (the worker's spec as JSON: what
 `testbed.ddp` reads to place the scenario's collective), TESTBED_METRICS_PORT (if the scenario
 names the command's metrics port), TESTBED_RESTARTED=1 for a worker the timeline restarted;
-then the scenario's `job.env`. `python` is the interpreter that runs the testbed: its
-directory comes first on PATH.
+with `job.gpus`, CUDA_VISIBLE_DEVICES (the worker's GPUs, by nvidia-smi's indexes:
+CUDA_DEVICE_ORDER=PCI_BUS_ID; not in a container whose GPUs were reserved for it, which sees
+those only); with NCCL (`job.nccl`, by default with `job.gpus`), NCCL_SOCKET_IFNAME (the
+interface on the scenario's network) and NCCL_SOCKETS_ONLY, so that NCCL's traffic crosses
+the shaped links rather than NVLink, PCIe or shared memory; then the scenario's `job.env`.
+`python` is the interpreter that runs the testbed: its directory comes first on PATH.
 """
 
 from __future__ import annotations
@@ -37,18 +41,25 @@ from pathlib import Path
 from typing import IO, Any
 
 from netem.namespace import interface_with
+from testbed.scenario.job_files import command_path
 
 POLL = 0.1  # seconds between looks at the control file while the command runs
 STOP_GRACE = 5.0  # seconds the command gets to end after SIGTERM before SIGKILL
 TAIL_LINES = 10  # lines of the command's stderr shown when it fails
+# In a worker's environment: its container's GPUs were reserved for it (Compose), so the GPUs
+# it sees are its own, numbered from 0.
+GPUS_RESERVED = "TESTBED_GPUS_RESERVED"
+# NCCL's transports that bypass the network between workers on one host: peer-to-peer (NVLink,
+# PCIe), shared memory, InfiniBand, NVLink SHARP; off, NCCL talks over sockets.
+NCCL_SOCKETS_ONLY = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_IB_DISABLE": "1",
+                     "NCCL_NVLS_ENABLE": "0"}
 
 
 def environment(spec: Any, job: Any, base: Mapping[str, str] | None = None) -> dict[str, str]:
     """The command's environment: `base` (default: this process's), the torch.distributed
     variables, the testbed's, then the scenario's `job.env`."""
     env = dict(os.environ if base is None else base)
-    bin_dir = str(Path(sys.executable).parent)
-    env["PATH"] = os.pathsep.join([bin_dir, env.get("PATH", os.defpath)])
+    env["PATH"] = command_path(env.get("PATH"))
     env.update({
         "RANK": str(spec.rank),
         "WORLD_SIZE": str(spec.world),
@@ -67,6 +78,14 @@ def environment(spec: Any, job: Any, base: Mapping[str, str] | None = None) -> d
     iface = interface_with(spec.hosts[spec.rank])
     if iface is not None:  # gloo otherwise picks whatever the host name resolves to
         env["GLOO_SOCKET_IFNAME"] = iface
+    devices = job.worker_gpus(spec.rank)
+    if devices is not None and env.get(GPUS_RESERVED) != "1":
+        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # the indexes nvidia-smi and Docker use
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, devices))
+    if job.uses_nccl:
+        env.update(NCCL_SOCKETS_ONLY)
+        if iface is not None:  # "=": this interface, not every one its name begins
+            env["NCCL_SOCKET_IFNAME"] = f"={iface}"
     if job.metrics_port is not None:
         env["TESTBED_METRICS_PORT"] = str(job.metrics_port)
     env.update(job.env)

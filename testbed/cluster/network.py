@@ -1,11 +1,12 @@
 """The cluster's network: one namespace per worker on one bridge, every directed link shaped.
 
 Worker w is host w of a `netem.lab.Lab`: its own namespace, a veth to the bridge (which lives in
-the lab's switch namespace), an address and the scenario's MTU. Traffic from src to dst is shaped
-where the wire is: on the egress of dst's switch port (`lab.hosts[dst].switch_port` in
-`lab.switch`), classified per source address, so one rule set per receiver holds every link
-into it. The sender's own stack never sees the drops (its TCP does not retransmit at once, its
-UDP sends never fail), as on a real network.
+the lab's switch namespace), an IPv4 and an IPv6 address and the scenario's MTU. Traffic from
+src to dst is shaped where the wire is: on the egress of dst's switch port
+(`lab.hosts[dst].switch_port` in `lab.switch`), classified per source address (a worker's IPv4
+and IPv6 addresses are one rule, one class), so one rule set per receiver holds every link into
+it. The sender's own stack never sees the drops (its TCP does not retransmit at once, its UDP
+sends never fail), as on a real network.
 
 What each link carries is the pure `LinkState` (`testbed.scenario.links`: profiles, cuts,
 partitions); this class only shapes the kernel after it, through a `netem.session.Session` on
@@ -16,6 +17,12 @@ Per receiver, the catch-all rule (`None`) carries the profile most of its incomi
 the others, and every link the scenario's timeline will change or cut, get a source rule. A
 source that once had a rule keeps it (the "layout" stays the same), so later changes go in
 place: no moment unshaped, no queue flushed, no rebuild.
+
+With netem, every link is given its seed (`LinkState.shaped`), and a link with a seed has a rule
+of its own: its netem then draws for its sender's packets only (not for another sender's, nor
+for what the catch-all takes, such as ARP), so the same traffic meets the same decisions.
+The fallback cannot use a seed (nftables' numgen takes none): it is given the profiles as they
+are, and its loss is not repeatable.
 
 The lab's own address on the bridge (`control_address`: where the runner serves the run's store,
 for barriers, drift sketches and parameter pulls) is exempt in every receiver's rules: the
@@ -29,7 +36,6 @@ netlink encoding, which the session spreads over threads.
 
 from __future__ import annotations
 
-import ipaddress
 import subprocess
 from collections import Counter
 from collections.abc import Mapping
@@ -38,14 +44,14 @@ from typing import Literal
 from netem.backend import resolve_backend, usable
 from netem.lab import Lab
 from netem.lifecycle import StartsOnEnter
-from netem.plan import UnsupportedByKernel
+from netem.plan import Source, UnsupportedByKernel
 from netem.profile import LinkProfile
 from netem.session import Session
 from testbed.cluster.shaped import ShapedNetwork
 from testbed.scenario.links import LinkState, Pair
 from testbed.scenario.model import Scenario
 
-Rules = dict[str | None, LinkProfile]
+Rules = dict[Source | None, LinkProfile]
 SYSCTL = "/proc/sys/net/ipv4/"
 ALLOWED = SYSCTL + "tcp_allowed_congestion_control"
 AVAILABLE = SYSCTL + "tcp_available_congestion_control"
@@ -74,6 +80,11 @@ class ClusterNetwork(StartsOnEnter, ShapedNetwork):
         self.lab = Lab(scenario.count, mtu=scenario.topology.mtu, **lab_options)
         self._base: dict[int, LinkProfile] = {}  # each receiver's catch-all profile
         self._sources: dict[int, set[int]] = {}  # each receiver's senders with a rule of their own
+        # What the kernel is given for a link, and for each link into a receiver (by sender):
+        # with the link's seed where the backend draws from one.
+        seeded = self.backend == "netem"
+        self._given = self.links.shaped if seeded else self.links.effective
+        self._incoming = self.links.shaped_into if seeded else self.links.into
         self._session: Session | None = None
         self.congestion: dict[int, str] = {}  # worker -> TCP congestion control set in its netns
         self.apply_seconds: list[float] = []  # how long each change took, in order
@@ -97,9 +108,10 @@ class ClusterNetwork(StartsOnEnter, ShapedNetwork):
         nothing), so it also says where a scenario can run: `UnsupportedByKernel` if not."""
         with self._lock:
             for dst in range(self.count):
-                incoming = list(self.links.into(dst).values())
-                self._base[dst] = _most_common(incoming) if incoming else LinkProfile()
-                self._sources[dst] = {src for src, profile in self.links.into(dst).items()
+                incoming = self._incoming(dst)
+                unseeded = [profile for profile in incoming.values() if profile.seed is None]
+                self._base[dst] = _most_common(unseeded) if unseeded else LinkProfile()
+                self._sources[dst] = {src for src, profile in incoming.items()
                                       if profile != self._base[dst]}
             for src, dst in self.links.changed_by(self.scenario.timeline):
                 self._sources[dst].add(src)  # their changes then go in place
@@ -163,7 +175,7 @@ class ClusterNetwork(StartsOnEnter, ShapedNetwork):
             raise NetworkError("the network is not running (start it, or use it as a context "
                                "manager)")
         for src, dst in touched:
-            if self.links.effective(src, dst) != self._base[dst]:
+            if self._given(src, dst) != self._base[dst]:
                 self._sources[dst].add(src)
         receivers = sorted({dst for _, dst in touched})
         if not receivers:
@@ -173,12 +185,15 @@ class ClusterNetwork(StartsOnEnter, ShapedNetwork):
         self.apply_seconds.append(seconds)
         return seconds
 
-    def _address(self, worker: int) -> str:
-        """The worker's address (the lab's numbering: known before the lab exists)."""
-        return str(ipaddress.ip_network(self.lab.subnet).network_address + worker + 1)
+    def seeds(self) -> dict[str, int]:
+        """The seed the kernel was given for each link that has one now, keyed "src->dst" as
+        the run records them (with the fallback: only a profile's own, unused)."""
+        given = {(src, dst): profile.seed for dst in range(self.count)
+                 for src, profile in self._incoming(dst).items() if profile.seed is not None}
+        return {f"{s}->{d}": seed for (s, d), seed in sorted(given.items())}
 
     def _rules(self, dst: int) -> Rules:
-        rules: Rules = {self._address(src): self.links.effective(src, dst)
+        rules: Rules = {self.lab.addresses(src): self._given(src, dst)
                         for src in sorted(self._sources[dst])}
         rules[self.control_address] = LinkProfile()
         rules[None] = self._base[dst]

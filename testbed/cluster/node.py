@@ -88,8 +88,15 @@ class IngressLinks(ShapedNetwork):
 
     def rules(self) -> dict[str | None, LinkProfile]:
         """What each peer's packets get on the way in; anyone else passes untouched."""
+        return self._by_address(self.links.into(self.rank))
+
+    def _shaped_rules(self) -> dict[str | None, LinkProfile]:
+        """`rules` as the kernel is given them: each link with its seed (`LinkState.shaped`)."""
+        return self._by_address(self.links.shaped_into(self.rank))
+
+    def _by_address(self, profiles: dict[int, LinkProfile]) -> dict[str | None, LinkProfile]:
         rules: dict[str | None, LinkProfile] = {None: LinkProfile()}
-        for src, profile in self.links.into(self.rank).items():
+        for src, profile in profiles.items():
             rules[self.hosts[src]] = profile
         return rules
 
@@ -99,11 +106,12 @@ class IngressLinks(ShapedNetwork):
         with self._lock:
             self.hosts[peer] = host
             if self._started:
-                netem.change(self.iface, self.rules(), direction="ingress", backend=self.backend)  # type: ignore[arg-type]
+                rules = self._shaped_rules()
+                netem.change(self.iface, rules, direction="ingress", backend=self.backend)  # type: ignore[arg-type]
 
     def start(self) -> float:
         begun = time.perf_counter()
-        netem.apply(self.iface, self.rules(), direction="ingress", backend=self.backend)  # type: ignore[arg-type]
+        netem.apply(self.iface, self._shaped_rules(), direction="ingress", backend=self.backend)  # type: ignore[arg-type]
         self._started = True
         return time.perf_counter() - begun
 
@@ -116,7 +124,7 @@ class IngressLinks(ShapedNetwork):
         if not self._started or all(dst != self.rank for _, dst in touched):
             return 0.0
         begun = time.perf_counter()
-        netem.change(self.iface, self.rules(), direction="ingress", backend=self.backend)  # type: ignore[arg-type]
+        netem.change(self.iface, self._shaped_rules(), direction="ingress", backend=self.backend)  # type: ignore[arg-type]
         return time.perf_counter() - begun
 
 
@@ -314,6 +322,7 @@ class Node:
                                             name=self.scenario.name, compose=True)
             self._writer.event("cluster", hosts=self.hosts, backend=self.network.backend,
                                compose=True, iface=self.network.iface,
+                               seeds=self.network.links.seeds(),
                                **({"names": self.given} if self.named else {}),
                                **({"mtu": self.mtu} if self.mtu is not None else {}))
             self._client.set(ID_KEY, str(int.from_bytes(os.urandom(4), "big")))

@@ -51,6 +51,7 @@ from testbed.transport.auth import write_key
 
 STOP_GRACE = 10.0  # seconds a worker gets to end after SIGTERM before SIGKILL
 POLL = 0.2  # seconds between looks at the workers when none of them says anything
+LINK_PROBES = 1000  # probes per link with `metrics.probe_links` (0.4 s a link, plus its delay)
 PROMETHEUS_TARGETS = TARGETS_FILE  # file_sd of the workers' relayed endpoints
 KEY_FILE = "run.key"  # the run's secret, while it runs (mode 0600), where it authenticates
 
@@ -112,6 +113,7 @@ class ClusterRun:
         self.scenario: Scenario = load_scenario(self.scenario_path, steps=steps).with_capture(
             list(capture or ()))
         self.capture: RunCapture | None = None  # the run's captures, once the network is up
+        self.shaped_by: str | None = None  # the backend that shapes the links, once they are
         stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d-%H%M%S")
         self.run_dir = (Path(run_dir) if run_dir
                         else Path("runs") / f"{safe_name(self.scenario.name)}-{stamp}")
@@ -156,8 +158,12 @@ class ClusterRun:
         try:
             with (ClusterNetwork(self.scenario, backend=self.backend) as network,
                   contextlib.ExitStack() as stack):
+                self.shaped_by = network.backend
                 writer.event("cluster", prefix=network.prefix, hosts=network.hosts,
-                             congestion=network.congestion, backend=network.backend)
+                             congestion=network.congestion, backend=network.backend,
+                             seeds=network.seeds())
+                if self.scenario.metrics.probe_links:
+                    self._probe_links(network, writer)
                 self._write_specs(network)
                 stack.enter_context(self._relay(network, writer))
                 zygote_log = stack.enter_context(open(self.run_dir / "logs" / "zygote.log", "a"))
@@ -279,6 +285,26 @@ class ClusterRun:
         log = self._log_path(worker.rank)
         lines = log.read_text(errors="replace").strip().splitlines() if log.exists() else []
         return f"{text}: {lines[-1]}" if lines else text
+
+    def _probe_links(self, network: ClusterNetwork, writer: RunWriter) -> None:
+        """`metrics.probe_links`: every directed link measured with a probe train before the
+        workers start (`netem.probe`: loss and one-way delay), a `link` event each, which the
+        report sets beside what was configured."""
+        from netem.probe import probe
+
+        for src in range(self.scenario.count):
+            for dst in range(self.scenario.count):
+                if src == dst:
+                    continue
+                self._check_interrupt()
+                profile = network.links.effective(src, dst)
+                result = probe(network.namespace(src), network.namespace(dst),
+                               network.hosts[dst], count=LINK_PROBES)
+                timed = math.isfinite(result.delay_mean)  # nothing came over a cut link
+                writer.link(src, dst, profile.mean_loss, result.loss_ratio, probes=result.sent,
+                            configured_delay_ms=profile.delay * 1e3,
+                            measured_delay_ms=result.delay_mean * 1e3 if timed else None,
+                            measured_jitter_ms=result.delay_stdev * 1e3 if timed else None)
 
     def _start(self, rank: int) -> None:
         """Start (or restart) worker `rank` from its spec file, in its namespace: forked by the

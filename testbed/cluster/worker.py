@@ -10,7 +10,8 @@ prints one JSON line per step on stdout for the runner's live display, then a fi
 `{"done": true, ...}` line, after which it keeps /metrics up for `metrics.linger` seconds (the
 runner ends that sooner, once every worker is done). A worker restarted after a preemption
 (`rejoin`) first pulls the current parameters from a live peer (Moshpit from its group; any
-other collective through the run's store, where a live worker answers between its steps) and
+other collective through the run's store, where a live worker answers between its steps; under
+strategy diloco the outer state, `Job.state`, always through the store) and
 resumes after the step the most advanced live worker finished; the others start step 0
 together, after a barrier. Exit 0 on success, 1 on a training error (the traceback
 on stderr), 143 on SIGTERM; the collective, the metrics server and the event file are closed in
@@ -258,7 +259,7 @@ class Worker:
         from testbed.scenario import load_scenario
 
         spec = self.spec
-        scenario = load_scenario(Path(spec.scenario), steps=spec.steps)
+        scenario = load_scenario(Path(spec.scenario), steps=spec.steps, base_dir=spec.base_dir)
         writer = RunWriter.open(spec.run_dir, rank=spec.rank)
         metrics = WorkerMetrics(spec.rank)
         collective = None
@@ -325,7 +326,7 @@ class Worker:
 
     def _train(self, scenario: Any, collective: Any, writer: Any, metrics: Any,
                exchange: PeerExchange) -> dict[str, float]:
-        from torch.nn.utils import parameters_to_vector, vector_to_parameters
+        from torch.nn.utils import parameters_to_vector
 
         from testbed.train.job import Job
 
@@ -333,16 +334,17 @@ class Worker:
         job = Job(config, collective, spec.rank, spec.world,
                   slowdown=scenario.slowdown(spec.rank))
         collective.set_shapes([tuple(p.shape) for p in job.parameters])
-        if spec.rejoin:  # where the others are, with their parameters
+        if spec.rejoin:  # where the others are, with their parameters (DiLoCo: outer state)
             start = exchange.progress() + 1
-            state = collective.pull_state()  # Moshpit: from its group
+            # Moshpit: the parameters from its group
+            state = collective.pull_state() if job.state_is_parameters else None
             if state is None:  # through the run's store, from a live worker
                 answer = exchange.request_parameters(PULL_WAIT)
                 state = None if answer is None else answer[1]
                 if answer is not None:
                     start = max(start, answer[0] + 1)
             if state is not None:
-                vector_to_parameters(state.to(torch_dtype(job)), job.parameters)
+                job.restore(state)
             writer.event("rejoin", rank=spec.rank, step=start, pulled=state is not None)
         else:  # every worker starts step 0 together, whatever its set-up took
             start = 0
@@ -367,12 +369,12 @@ class Worker:
                 if rejoinable:
                     relay.post_progress(step)
                     if relay.parameters_wanted:
-                        relay.answer_parameters(step, parameters_to_vector(job.parameters))
+                        relay.answer_parameters(step, job.state())
                 computes[step] = record.compute_seconds
                 if config.eval_every and (step + 1) % config.eval_every == 0:
                     record.evaluation = job.evaluate()
                 if every and (step + 1) % every == 0:
-                    vector = parameters_to_vector(job.parameters).detach()
+                    vector = parameters_to_vector(job.parameters).detach().cpu()
                     relay.post_figures(step, figures.row(step, vector, computes))
                     computes.clear()
                     if scenario.metrics.dump_parameters:
@@ -490,11 +492,6 @@ def _post(run_dir: str | Path, rank: int, message: dict[str, Any]) -> None:
     path.parent.mkdir(exist_ok=True)
     with path.open("a") as control:
         control.write(json.dumps(message) + "\n")
-
-
-def torch_dtype(job: Any) -> Any:
-    """The dtype of the job's parameters (a pulled state comes as sent)."""
-    return job.parameters[0].dtype
 
 
 def say(**fields: Any) -> None:

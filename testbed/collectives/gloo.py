@@ -16,6 +16,7 @@ import torch.distributed as dist
 from netem.namespace import interface_with
 from testbed.collectives.base import AllReduceStats, CollectiveBase
 from testbed.collectives.compression.exchange import GlooShift
+from testbed.transport.staging import Staged
 
 
 class Gloo(CollectiveBase):
@@ -43,10 +44,12 @@ class Gloo(CollectiveBase):
 
     def allreduce(self, tensor: torch.Tensor, step: int) -> tuple[torch.Tensor, AllReduceStats]:
         started = time.monotonic()
-        result = tensor.detach().clone()
+        staged = Staged(tensor)
+        result = staged.writable()
         dist.all_reduce(result)
         result.div_(self.world)
-        return result, AllReduceStats(self.name, step, seconds=time.monotonic() - started)
+        return staged.back(result), AllReduceStats(self.name, step,
+                                                   seconds=time.monotonic() - started)
 
     def neighbour_exchange(self) -> GlooShift:
         """isend/irecv on the default group."""

@@ -10,7 +10,9 @@ The hook is asynchronous, as DDP's own all-reduce is: it hands the bucket to the
 thread of its own and returns a future at once, so the backward pass goes on computing the next
 buckets while this one travels; DDP waits for the futures at the end of the backward pass. The
 collective's calls keep the order DDP made them in (one thread, a queue), and each call is
-numbered so buckets of one backward pass stay apart.
+numbered so buckets of one backward pass stay apart. On a CUDA model the future holds the
+result on the bucket's device; the copies to the host and back run on a stream of the hook's
+call (`staging.Handover`), beside the backward pass's kernels.
 """
 
 import threading
@@ -22,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from testbed.collectives.base import AllReduceStats, Collective
+from testbed.transport.staging import Handover
 
 # No `from __future__ import annotations` in this module: DDP checks the hook's annotations
 # against the GradBucket and Future[Tensor] objects themselves, not their names.
@@ -40,23 +43,24 @@ class _Calls:
         self._thread = ThreadPoolExecutor(1, thread_name_prefix=f"comm-hook-{collective.rank}")
 
     def submit(self, bucket: torch.Tensor) -> torch.futures.Future:
-        future: torch.futures.Future = torch.futures.Future()
+        handover = Handover(bucket)
+        future = handover.future()
         with self._lock:
             number = self.number
             self.number += 1
-        self._thread.submit(self._run, number, bucket, future)
+        self._thread.submit(self._run, number, handover, future)
         return future
 
-    def _run(self, number: int, bucket: torch.Tensor, future: torch.futures.Future) -> None:
+    def _run(self, number: int, handover: Handover, future: torch.futures.Future) -> None:
         self.started.append(number)
         try:
-            averaged, stats = self.collective.allreduce(bucket, step=number)
-            if self.on_stats is not None:
-                self.on_stats(stats)
+            with handover.received() as bucket:
+                averaged, stats = self.collective.allreduce(bucket, step=number)
+                if self.on_stats is not None:
+                    self.on_stats(stats)
+                future.set_result(averaged)  # on the call's stream, which the future records
         except BaseException as error:  # DDP raises it where it waits on the future
             future.set_exception(error)
-        else:
-            future.set_result(averaged)
 
 
 def comm_hook(
@@ -68,7 +72,7 @@ def comm_hook(
 
     def hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         # DDP hands the bucket's buffer over until the future completes; the collective
-        # returns a new tensor, so the buffer itself is only read.
+        # returns a new tensor (on the bucket's device), so the buffer itself is only read.
         return calls.submit(bucket.buffer())
 
     hook.calls = calls  # type: ignore[attr-defined]  # for tests: the order calls began in

@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from testbed.collectives.base import AllReduceStats, CollectiveBase
+from testbed.transport.staging import Staged
 from testbed.transport.tcp import Listener, StreamMesh
 from testbed.transport.wire import BUCKETS, Kind
 
@@ -66,7 +67,8 @@ class Ring(CollectiveBase):
     def allreduce(self, tensor: torch.Tensor, step: int) -> tuple[torch.Tensor, AllReduceStats]:
         started = time.monotonic()
         before = self._totals()
-        flat = tensor.detach().reshape(-1).clone()
+        staged = Staged(tensor)
+        flat = staged.writable()
         if self.world > 1:
             bucket = self._calls % BUCKETS
             self._calls += 1
@@ -87,7 +89,7 @@ class Ring(CollectiveBase):
             bytes_sent=after[0] - before[0], bytes_received=after[1] - before[1],
             extra={"tcp_retransmits": float(after[2])},
         )
-        return flat.view_as(tensor), stats
+        return staged.back(flat), stats
 
     def _exchange(
         self, outgoing: torch.Tensor, into: torch.Tensor, step: int, bucket: int

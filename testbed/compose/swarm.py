@@ -29,6 +29,8 @@ beside the project); what Swarm needs differently is here:
   healthy, and the workers resolve each other's names before they serve their metrics (a
   deadlock), and a task found unhealthy is replaced (a preemption the timeline never asked
   for). Prometheus keeps its readiness check.
+- GPUs: a command job's `gpus` is refused. Swarm does not take Compose's device
+  reservations, and its generic resources are what each node's daemon declares by hand.
 - Monitoring is a second stack file (`docker stack deploy` knows no profiles): Prometheus
   and Grafana, on a manager, their ports published on that node (Swarm cannot publish on
   127.0.0.1 only), Prometheus's data in a tmpfs.
@@ -150,6 +152,11 @@ def swarm_stack(scenario: Scenario, directory: Path, *, steps: int | None = None
     directory, relative to `directory`, bound read-only at /job; `subnet`: the overlay's
     (None: Swarm's choice)."""
     check_scenario(scenario)
+    if scenario.command is not None and scenario.command.gpus is not None:
+        raise ComposeError("job.gpus: a Swarm stack cannot reserve GPUs (docker stack deploy "
+                           "ignores Compose's device reservations; Swarm has only generic "
+                           "resources each node declares itself): run it with `testbed compose` "
+                           "without --swarm, or without gpus")
     names = [service_name(rank) for rank in range(scenario.count)]
     scenario_config = _digest_name("scenario", directory / SCENARIO_COPY)
     secrets: dict[str, Any] = {}

@@ -59,6 +59,10 @@ DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0
 REFERENCES = ("mean", "owners", "group")
 DIRECTIONS = ("in", "out")
 
+# The figures strategy diloco adds to the stats of a step that applied outer updates
+# (testbed.train.diloco).
+OUTER_FIGURES = ("outer_step", "outer_updates", "pseudo_gradient_norm", "outer_wait_seconds",
+                 "fragment")
 # AllReduceStats.extra figures with a metric of their own; any other goes to
 # testbed_collective_figure{figure=NAME}. datagrams_lost/late and rcvbuf_drops are the
 # transport's counters (observe_counters), not counted twice.
@@ -67,6 +71,7 @@ _EXTRA_HANDLED = frozenset({
     "chunks_missing", "resync", "rounds", "rounds_incomplete", "tcp_retransmits",
     "datagrams_lost", "datagrams_late", "rcvbuf_drops", "compression_ratio",
     "compressed_bytes", "compression_error", "feedback_residual",
+    *OUTER_FIGURES,
 })
 
 
@@ -194,6 +199,17 @@ class WorkerMetrics:
                                    "holds back, ||v - g|| (gradient units)", "collective")
         self.figure = g("collective_figure", "Last value of another figure the collective "
                         "reports (AllReduceStats.extra)", "collective", "figure")
+        # DiLoCo's outer steps (strategy diloco: one per fragment synchronised, streaming).
+        self.outer_steps = c("outer_steps", "Outer updates applied (DiLoCo; Streaming DiLoCo: "
+                             "one per fragment synchronised)")
+        self.outer_sent = c("outer_sent_bytes", "Bytes the outer all-reduces of the "
+                            "pseudo-gradients sent")
+        self.outer_step_sent = g("outer_step_sent_bytes", "Bytes the last outer all-reduce "
+                                 "sent, per outer update")
+        self.pseudo_gradient_norm = g("pseudo_gradient_norm", "L2 norm of the last mean "
+                                      "pseudo-gradient (parameter units)")
+        self.outer_wait = h("outer_wait_seconds", "How long the inner loop waited for outer "
+                            "all-reduces, per step that applied outer updates (0: overlapped)")
         # Transport, per peer (cumulative counters fed by observe_counters).
         self.sent_bytes = c("transport_sent_bytes", "Bytes sent to this peer (UDP payload or "
                             "TCP messages, wire headers included)", "peer", "protocol")
@@ -375,6 +391,19 @@ class WorkerMetrics:
         for key, value in extra.items():
             if key not in _EXTRA_HANDLED:
                 self.figure.labels(rank, name, key).set(value)
+        if "outer_step" in extra:
+            self._outer(stats)
+
+    def _outer(self, stats: AllReduceStats) -> None:
+        """The outer updates of one step (strategy diloco): their count, bytes, the mean
+        pseudo-gradient's norm and how long the inner loop waited for them."""
+        rank, extra = self.rank, stats.extra
+        updates = extra["outer_updates"]
+        self.outer_steps.labels(rank).inc(updates)
+        self.outer_sent.labels(rank).inc(max(0, stats.bytes_sent))
+        self.outer_step_sent.labels(rank).set(max(0, stats.bytes_sent) / updates)
+        self.pseudo_gradient_norm.labels(rank).set(extra["pseudo_gradient_norm"])
+        self.outer_wait.labels(rank).observe(extra["outer_wait_seconds"])
 
     def observe_counters(
         self,

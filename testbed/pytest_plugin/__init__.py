@@ -2,18 +2,20 @@
 
 Installed with the package (entry point `pytest11`: `testbed = "testbed.pytest_plugin"`):
 
-- `make_netem_network(hosts=None, *, profile=None, links=None, scenario=None, **fields)`: a
-  factory of `NetemNetwork`s (hosts in network namespaces, every directed link shaped), each
-  removed when the test ends, however it ends;
+- `make_netem_network(hosts=None, *, profile=None, links=None, scenario=None, seed=None,
+  **fields)`: a factory of `NetemNetwork`s (hosts in network namespaces, every directed link
+  shaped), each removed when the test ends, however it ends;
 - `netem_network`: one such network, as the `netem` marker says;
-- `@pytest.mark.netem(profile=None, /, *, hosts=2, links=None, scenario=None, **fields)`: the
-  defaults of both (every link's profile, its fields as keywords: `delay="50ms", loss="5%"`);
+- `@pytest.mark.netem(profile=None, /, *, hosts=2, links=None, scenario=None, seed=None,
+  **fields)`: the defaults of both (every link's profile, its fields as keywords:
+  `delay="50ms", loss="5%"`; the seed each link's netem seed is derived from);
 - `netem_scenario(scenario, *, steps=None, timeout=None)`: run a whole scenario into the test's
   `tmp_path`, return its `RunResult`.
 
 A test whose network this host cannot build (no root, no namespaces, or a profile only sch_netem
 shapes on a kernel without it) is skipped with the reason and the command that runs the suite in
-the UML guest; under `CI=true` it fails instead.
+the UML guest; under `CI=true` it fails instead. A test that gives no seed gets one drawn for its
+networks, and a failed one's report says the marker that replays it with that seed.
 
 Importing this module imports neither netem's backends nor the testbed: the project's own suite
 and every other pytest run load it at no cost until a test asks for a network.
@@ -22,6 +24,7 @@ and every other pytest run load it at no cost until a test asks for a network.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import sys
 import weakref
 from collections.abc import Callable, Iterator
@@ -36,16 +39,18 @@ if TYPE_CHECKING:
 
 MARKER = "netem"
 MARKER_HELP = (
-    "netem(profile=None, /, *, hosts=2, links=None, scenario=None, **fields): the shaped network "
-    "of the netem_network and make_netem_network fixtures: every link's profile (a "
-    "netem.LinkProfile, a mapping, or its fields: delay='50ms', loss='5%', rate='10mbit', ...), "
-    "the number of hosts, links with a profile of their own {(src, dst): profile}, or a "
-    "scenario file whose topology the network is (docs/pytest.md)"
+    "netem(profile=None, /, *, hosts=2, links=None, scenario=None, seed=None, **fields): the "
+    "shaped network of the netem_network and make_netem_network fixtures: every link's profile "
+    "(a netem.LinkProfile, a mapping, or its fields: delay='50ms', loss='5%', rate='10mbit', "
+    "...), the number of hosts, links with a profile of their own {(src, dst): profile}, or a "
+    "scenario file whose topology the network is, and the seed of the links' netem seeds (drawn "
+    "where not given) (docs/pytest.md)"
 )
 
 _spec_key: pytest.StashKey[NetworkSpec] = pytest.StashKey()  # the item's marker, validated
 _networks_key: pytest.StashKey[list[NetemNetwork]] = pytest.StashKey()  # made for the item
 _runs_key: pytest.StashKey[list[Path]] = pytest.StashKey()  # the item's scenario runs
+_seed_key: pytest.StashKey[int] = pytest.StashKey()  # drawn for the item's networks given none
 _open_key: pytest.StashKey[weakref.WeakSet[NetemNetwork]] = pytest.StashKey()  # this session
 
 
@@ -87,13 +92,18 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> pytest.TestReport:
-    """A failed test says what its networks were (hosts, links, cut links, its processes) and
-    how its scenarios ended (each run's verdict and the tail of every worker's log)."""
+    """A failed test says what its networks were (hosts, seed, links, cut links, its
+    processes), the marker that replays them where their seed was drawn, and how its scenarios
+    ended (each run's verdict and the tail of every worker's log)."""
     report = yield
     if report.failed:
         for network in item.stash.get(_networks_key, []):
             if len(network):
                 report.sections.append((f"netem network {network.prefix}", network.describe()))
+        if _seed_key in item.stash:
+            marker = replay_marker(item.get_closest_marker(MARKER), item.stash[_seed_key])
+            report.sections.append(("netem replay", "the networks' seed was drawn; to replay "
+                                    f"them with the same seed, mark the test\n{marker}"))
         runs = item.stash.get(_runs_key, [])
         if runs:
             from testbed.report import describe_runs
@@ -107,9 +117,10 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> pytes
 @pytest.fixture
 def make_netem_network(request: pytest.FixtureRequest) -> Iterator[Callable[..., NetemNetwork]]:
     """Build shaped networks: `make_netem_network(3, loss="5%")`. Arguments left out come from
-    the test's `netem` marker (the profile and the scenario as one); every network is removed
-    when the test ends, with the processes started in its hosts."""
-    from testbed.pytest_plugin.network import NetemNetwork, NetworkSpec
+    the test's `netem` marker (the profile and the scenario as one); a network given no seed
+    (nor a scenario) gets the test's, drawn once; every network is removed when the test ends,
+    with the processes started in its hosts."""
+    from testbed.pytest_plugin.network import NetemNetwork, NetworkSpec, drawn_seed
     from testbed.pytest_plugin.requirements import unavailable
 
     config = request.config
@@ -121,10 +132,14 @@ def make_netem_network(request: pytest.FixtureRequest) -> Iterator[Callable[...,
         unavailable(reason, config)
 
     def make(hosts: int | None = None, *, profile: Any = None, links: Any = None,
-             scenario: str | Path | None = None, **fields: Any) -> NetemNetwork:
+             scenario: str | Path | None = None, seed: int | None = None,
+             **fields: Any) -> NetemNetwork:
         __tracebackhide__ = True
-        spec = NetworkSpec.of(profile, hosts=hosts, links=links, scenario=scenario,
+        spec = NetworkSpec.of(profile, hosts=hosts, links=links, scenario=scenario, seed=seed,
                               **fields).under(marker)
+        if spec.needs_seed:  # one seed for all of the test's networks: one marker replays them
+            spec = dataclasses.replace(
+                spec, seed=request.node.stash.setdefault(_seed_key, drawn_seed()))
         network = NetemNetwork(spec, on_unsupported=unsupported)
         reason = network.missing()
         if reason is not None:
@@ -175,6 +190,15 @@ def netem_scenario(request: pytest.FixtureRequest,
         return cluster.run(timeout=timeout)
 
     return run
+
+
+def replay_marker(marker: pytest.Mark | None, seed: int) -> str:
+    """The marker that replays a test's networks: its own arguments (none without one) with
+    `seed`."""
+    args = [repr(arg) for arg in marker.args] if marker else []
+    given = {**(marker.kwargs if marker else {}), "seed": seed}
+    words = [*args, *(f"{name}={value!r}" for name, value in given.items())]
+    return f"@pytest.mark.{MARKER}({', '.join(words)})"
 
 
 def _unique(path: Path) -> Path:

@@ -6,12 +6,18 @@ every directed link src -> dst shaped on the egress of dst's switch port, per so
 Partitions and heals go through its link state, as a scenario's timeline does. Measuring a link
 is `netem.probe.probe` between the two namespaces, compared with `netem.probe.compare` against
 what the link carries at that moment.
+
+Every network has a seed, given or drawn (`seed`): each link's netem seed is derived from it as a
+scenario's are (`testbed.scenario.links`), so a failed test can be replayed with the same
+decisions to lose, duplicate, reorder and corrupt.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
+import secrets
 import subprocess
 import time
 import weakref
@@ -36,6 +42,7 @@ from testbed.scenario import Scenario, find_scenario, load_scenario
 Pair = tuple[int, int]
 ProfileLike = LinkProfile | Mapping[str, Any]
 NETWORK_OPTIONS = ("hosts", "links", "scenario")  # the marker's keywords besides profile fields
+SEED_BITS = 32  # of a drawn seed: short enough to paste
 DEFAULT_HOSTS = 2
 STOP_GRACE = 3.0  # seconds a host's process gets between SIGTERM and SIGKILL
 RATE_SECONDS = 1.0  # the bulk train that measures a link's rate
@@ -72,13 +79,15 @@ class NetworkSpec:
     profile: LinkProfile | None = None  # every link's, unless `links` says otherwise
     links: Mapping[Pair, LinkProfile] | None = None  # directed links with a profile of their own
     scenario: str | Path | None = None  # a scenario file (or a shipped one's name): its topology
+    seed: int | None = None  # each link's seed is derived from it (a scenario: its own seed)
 
     @classmethod
     def of(cls, profile: ProfileLike | None = None, /, *, hosts: int | None = None,
            links: Mapping[Pair, ProfileLike] | None = None,
-           scenario: str | Path | None = None, **fields: Any) -> NetworkSpec:
+           scenario: str | Path | None = None, seed: int | None = None,
+           **fields: Any) -> NetworkSpec:
         """From the marker's or the factory's arguments: a profile (or a mapping of its fields)
-        and/or its fields as keywords (which win), `hosts`, `links`, `scenario`. Raises
+        and/or its fields as keywords (which win), `hosts`, `links`, `scenario`, `seed`. Raises
         `ProfileError` or `TypeError` naming what is wrong."""
         unknown = sorted(set(fields) - set(LinkProfile.model_fields))
         if unknown:
@@ -89,6 +98,8 @@ class NetworkSpec:
         if hosts is not None and (isinstance(hosts, bool) or not isinstance(hosts, int)
                                   or hosts < 1):
             raise TypeError(f"hosts: expected a number of hosts (1 or more), got {hosts!r}")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+            raise TypeError(f"seed: expected an integer, 0 or more, got {seed!r}")
         given = None
         if profile is not None or fields:
             base = as_profile(profile).to_spec() if profile is not None else {}
@@ -96,33 +107,48 @@ class NetworkSpec:
         if scenario is not None and given is not None:
             raise TypeError("give a profile or a scenario (whose topology is the network), "
                             "not both")
-        return cls(hosts, given, _links(links), scenario)
+        return cls(hosts, given, _links(links), scenario, seed)
 
     def under(self, marker: NetworkSpec) -> NetworkSpec:
         """This spec with what it leaves out taken from the marker's: the profile and the
         scenario as one (a given profile drops the marker's scenario and the other way round),
-        hosts and links each on its own."""
+        hosts, links and the seed each on its own."""
         own_topology = self.profile is not None or self.scenario is not None
         return NetworkSpec(
             hosts=self.hosts if self.hosts is not None else marker.hosts,
             profile=self.profile if own_topology else marker.profile,
             links=self.links if self.links is not None else marker.links,
             scenario=self.scenario if own_topology else marker.scenario,
+            seed=self.seed if self.seed is not None else marker.seed,
         )
 
+    @property
+    def needs_seed(self) -> bool:
+        """Whether the network would have no seed: none given, and no scenario (whose seed it
+        would be)."""
+        return self.seed is None and self.scenario is None
+
     def scenario_model(self) -> Scenario:
-        """The scenario whose topology the network is (`links` are set on top of it)."""
+        """The scenario whose topology the network is (`links` are set on top of it), with the
+        spec's seed where it has one."""
+        seed = {} if self.seed is None else {"seed": self.seed}
         if self.scenario is not None:
             scenario = load_scenario(find_scenario(self.scenario))
             if self.hosts is not None and self.hosts != scenario.count:
                 raise TypeError(f"hosts: {self.hosts}, but scenario {self.scenario} has "
                                 f"{scenario.count} workers")
-            return scenario
+            return scenario.model_copy(update=seed)
         return Scenario.model_validate({
             "name": "pytest",
             "workers": self.hosts if self.hosts is not None else DEFAULT_HOSTS,
             "topology": {"default": self.profile or LinkProfile()},
+            **seed,
         })
+
+
+def drawn_seed() -> int:
+    """A seed for a network that was given none (the test's report says it, to replay)."""
+    return secrets.randbits(SEED_BITS)
 
 
 def _links(links: Mapping[Pair, ProfileLike] | None) -> dict[Pair, LinkProfile] | None:
@@ -141,10 +167,12 @@ def _links(links: Mapping[Pair, ProfileLike] | None) -> dict[Pair, LinkProfile] 
 
 @dataclass(frozen=True)
 class NetemHost:
-    """One host of a `NetemNetwork`: its index, address and namespace; commands run inside."""
+    """One host of a `NetemNetwork`: its index, addresses and namespace; commands run inside.
+    Its IPv6 address is on the same link as its IPv4 one: shaped alike, in the same class."""
 
     index: int
-    address: str
+    address: str  # IPv4
+    address6: str  # IPv6
     netns: str
     iface: str
     _network: NetemNetwork = field(repr=False, compare=False)
@@ -216,12 +244,12 @@ class Measurement:
 class NetemNetwork:
     """Hosts in network namespaces on one bridge, every directed link shaped. Build it with the
     `make_netem_network` fixture (or `netem_network`); links are named by host index or host,
-    `(src, dst)`, one direction each."""
+    `(src, dst)`, one direction each. A spec without a seed (nor a scenario) gets one drawn."""
 
     def __init__(self, spec: NetworkSpec,
                  on_unsupported: Callable[[str], None] | None = None) -> None:
-        self.spec = spec
-        self._cluster = ClusterNetwork(spec.scenario_model())
+        self.spec = dataclasses.replace(spec, seed=drawn_seed()) if spec.needs_seed else spec
+        self._cluster = ClusterNetwork(self.spec.scenario_model())
         if spec.links:
             self._cluster.links.set(
                 {self._cluster.links.pair(*pair): profile for pair, profile in spec.links.items()})
@@ -245,8 +273,8 @@ class NetemNetwork:
         except BaseException:
             self.close()
             raise
-        self.hosts = [NetemHost(host.index, host.address, host.netns, host.iface, self)
-                      for host in self._cluster.lab.hosts]
+        self.hosts = [NetemHost(host.index, host.address, host.address6, host.netns, host.iface,
+                                self) for host in self._cluster.lab.hosts]
         return self
 
     def close(self) -> None:
@@ -300,6 +328,12 @@ class NetemNetwork:
     def backend(self) -> str:
         """What shapes the links: "netem", or "fallback" (loss, rate and limit only)."""
         return self._cluster.backend
+
+    @property
+    def seed(self) -> int:
+        """The network's seed: each link's netem seed is derived from it (`derive_seed(seed,
+        src, dst)`) unless its profile gives one; the fallback's loss takes none."""
+        return self._cluster.scenario.seed
 
     def __getitem__(self, index: int) -> NetemHost:
         return self.hosts[index]
@@ -368,10 +402,11 @@ class NetemNetwork:
     # -- for a failed test's report
 
     def describe(self) -> str:
-        """Hosts, links that are not perfect, cut links and the processes started in hosts."""
+        """Hosts, the seed, links that are not perfect, cut links and the processes started in
+        hosts."""
         links = self._cluster.links
         lines = [f"{len(self.hosts)} hosts, namespaces {self.prefix}-h*, {self.backend} "
-                 "shaping"]
+                 "shaping", f"seed {self.seed}"]
         lines += [f"  {host}: netns {host.netns}" for host in self.hosts]
         shaped = [f"  {src}->{dst}: {links.current(src, dst)}"
                   + (" (cut)" if links.is_cut(src, dst) else "")

@@ -11,12 +11,17 @@ from typing import TYPE_CHECKING
 from netem.profile import ProfileError
 from testbed.collectives import registry
 from testbed.scenario.fields import Loc
-from testbed.scenario.links import ALL, LinkState
+from testbed.scenario.links import ALL, LinkState, run_order
+from testbed.scenario.sections import TOP_LEVEL
 from testbed.scenario.timeline import RampLink, SetLink, StragglerBurst
 from testbed.scenario.topology import Selector
 
 if TYPE_CHECKING:
     from testbed.scenario.model import Scenario
+
+# The compressors that keep nothing from call to call and need no shapes (the quantizers), so
+# Streaming DiLoCo's fragments, a different part of the model each call, can go through them.
+STREAMING_COMPRESSORS = ("none", "int8", "int4")
 
 
 def problems(scenario: Scenario) -> list[tuple[Loc, str]]:
@@ -73,8 +78,9 @@ def _topology(scenario: Scenario) -> Iterator[tuple[Loc, str]]:
 
 
 def _timeline(scenario: Scenario) -> Iterator[tuple[Loc, str]]:
-    kills: list[tuple[int, str, float]] = []  # (worker, clock, when)
-    linked = []  # the link events whose ends are valid, to replay
+    """Each event on its own, then the events in the order the run carries them out
+    (`run_order`): a restart after a kill, every link change on the profiles the changes before
+    it left."""
     for i, event in enumerate(scenario.timeline):
         loc: Loc = ("timeline", i)
         value = getattr(event, event.action)
@@ -86,11 +92,8 @@ def _timeline(scenario: Scenario) -> Iterator[tuple[Loc, str]]:
             bad_ends = list(_endpoint_problems(scenario, (*loc, event.action, "link"),
                                                value.link))
             yield from bad_ends
-            if not bad_ends:
-                if not value.link.pairs(scenario.topology.groups, scenario.count):
-                    yield ((*loc, event.action, "link"),
-                           f"{value.link.describe()} selects no link")
-                linked.append((i, event))
+            if not bad_ends and not value.link.pairs(scenario.topology.groups, scenario.count):
+                yield ((*loc, event.action, "link"), f"{value.link.describe()} selects no link")
         elif event.action == "partition":
             yield from _group_problems(scenario, (*loc, "partition"), value)
         elif event.action == "heal":
@@ -100,22 +103,36 @@ def _timeline(scenario: Scenario) -> Iterator[tuple[Loc, str]]:
         elif isinstance(value, StragglerBurst):
             yield from _worker_problems(scenario, (*loc, "straggler_burst", "workers"),
                                         value.workers)
-        clock, when = event.clock
+    order = run_order(scenario.timeline)
+    killed: set[int] = set()
+    for i in order:
+        event = scenario.timeline[i]
         if event.action == "kill":
-            for worker in value:
-                kills.append((worker, clock, when))
+            killed.update(event.kill)
         elif event.action == "restart":
-            for worker in value:
-                if not any(w == worker and (c != clock or t <= when) for w, c, t in kills):
-                    yield (*loc, "restart"), f"worker {worker} is restarted before any kill"
-    # Every profile the link changes give, in file order (a ramp at both ends).
-    replayed = LinkState.of(scenario).replay([event for _, event in linked])
-    for j, (src, dst), profile in replayed:
+            for worker in event.restart:
+                if worker not in killed:
+                    yield (("timeline", i, "restart"), f"worker {worker} is restarted before "
+                           f"any kill{_placed(order, i)}")
+    # Every profile the link changes give, in the run's order (a ramp at both ends).
+    for i, (src, dst), profile in LinkState.of(scenario).replay(scenario.timeline):
         if isinstance(profile, ProfileError):
-            i, event = linked[j]
-            field = "profile" if event.action == "set_link" else "to"
-            yield (("timeline", i, event.action, field),
-                   f"on link {src}->{dst}: {_profile_message(profile)}")
+            action = scenario.timeline[i].action
+            yield (("timeline", i, action, "profile" if action == "set_link" else "to"),
+                   f"on link {src}->{dst}: {_profile_message(profile)}{_placed(order, i)}")
+
+
+def _placed(order: list[int], index: int) -> str:
+    """Where the run puts event `index` among those the file lists apart from it ('' where
+    the file's order is the run's)."""
+    before = set(order[:order.index(index)])
+    later = [f"timeline[{i}]" for i in sorted(before) if i > index]
+    earlier = [f"timeline[{i}]" for i in range(index) if i not in before]
+    parts = ([f"after {', '.join(later)}, listed after it"] if later else []) + (
+        [f"before {', '.join(earlier)}, listed before it"] if earlier else [])
+    if not parts:
+        return ""
+    return f" (events run in time and step order: this one runs {'; '.join(parts)})"
 
 
 def _capture(scenario: Scenario) -> Iterator[tuple[Loc, str]]:
@@ -161,6 +178,10 @@ def _command(scenario: Scenario) -> Iterator[tuple[Loc, str]]:
                 yield (("workers", "overrides", j, name),
                        f"{name} slows a training job's steps; a command job has none "
                        "(pause it with a timeline straggler_burst)")
+    job = scenario.command
+    if job is not None and isinstance(job.gpus, list) and len(job.gpus) != scenario.count:
+        yield ("job", "gpus"), (f"expected one entry per worker ({scenario.count}), got "
+                                f"{len(job.gpus)}")
 
 
 def _training(scenario: Scenario) -> Iterator[tuple[Loc, str]]:
@@ -180,11 +201,16 @@ def _training(scenario: Scenario) -> Iterator[tuple[Loc, str]]:
         yield (("collective", "compressor", "kind"), f"{compressor} needs a collective with a "
                f"reliable neighbour exchange ({offered}); over {scenario.collective.kind} use "
                "randk, powersgd or none")
+    if scenario.job.streaming is not None and compressor not in STREAMING_COMPRESSORS:
+        yield (("collective", "compressor", "kind"), f"{compressor} keeps state per vector or "
+               "needs the whole model's shapes; Streaming DiLoCo's all-reduces carry a "
+               f"different fragment each time: use {', '.join(STREAMING_COMPRESSORS)}")
     mismatch = scenario.collective.strategy_problem(scenario.job.strategy)
     if mismatch is not None:
         yield ("collective", mismatch[0]), mismatch[1]
-    if "seed" in scenario.job.model_fields_set:
-        yield ("job", "seed"), "set seed at the top level of the scenario"
+    for name in TOP_LEVEL:
+        if name in scenario.job.model_fields_set:
+            yield ("job", name), f"set {name} at the top level of the scenario"
 
 
 def _rejoin(scenario: Scenario) -> Iterator[tuple[Loc, str]]:

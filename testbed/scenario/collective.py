@@ -4,12 +4,15 @@ compressors and their parameters are the registry's, so each is declared in one 
 
 from __future__ import annotations
 
+import re
 from functools import reduce
 from operator import or_
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, create_model, model_validator
+from pydantic import BeforeValidator, Field, create_model, model_validator
+from pydantic.fields import FieldInfo
 
+from netem.units import parse_rate, parse_time
 from testbed.collectives import registry
 from testbed.scenario.fields import Section
 
@@ -88,16 +91,63 @@ class _Collective(registry.CollectiveOptions):
         return registry.kind(self.kind).capabilities
 
 
+def option_time(value: Any) -> Any:
+    """A collective option in seconds, written as a number of them or with a unit ('2s',
+    '500ms') as every other time of a scenario; what is no time ('auto', null) is left to the
+    option's own validation."""
+    return parse_time(value) if isinstance(value, str) and re.search("[0-9]", value) else value
+
+
+def option_rate(value: Any) -> Any:
+    """A collective option in bits/s, written as a number of them or with a unit ('100mbit')
+    as a link's rate; what is no rate (null) is left to the option's own validation."""
+    return parse_rate(value) if isinstance(value, str) and re.search("[0-9]", value) else value
+
+
+# The options whose description starts with their unit (as the registry describes each), and
+# what then reads them.
+_UNITS = {"seconds": option_time, "bits/s": option_rate}
+_UNIT = re.compile(r"(?:least |most )?(seconds|bits/s)\b", re.IGNORECASE)
+
+
+def _with_units(options: type[registry.CollectiveOptions]) -> dict[str, Any]:
+    """The options in seconds or bits/s, also taking a unit: their types, read first by
+    `option_time` or `option_rate`, and their own field (bounds, default, description)."""
+    fields: dict[str, Any] = {}
+    for name, info in options.model_fields.items():
+        unit = _UNIT.match(info.description or "")
+        if unit:
+            read = _UNITS[unit.group(1).lower()]
+            fields[name] = (Annotated[info.annotation, BeforeValidator(read)],
+                            FieldInfo.merge_field_infos(info))
+    return fields
+
+
 def _collective_model(entry: registry.Kind) -> type[_Collective]:
     model = create_model(
         f"{entry.name.capitalize()}Collective", __base__=(entry.options, _Collective),
         kind=(Literal[entry.name], ...),
         compressor=(Compressor, Field(default=Compressor(), description="Compression over the "
-                                      "collective (kind none: off); docs/compression.md.")))
+                                      "collective (kind none: off); docs/compression.md.")),
+        **_with_units(entry.options))
     model.__doc__ = f"Collective {entry.name!r}: {entry.summary}."
     return model
 
 
+def collective_mapping(value: Any) -> Any:
+    """The section is a mapping: `collective: lossy`, a natural shorthand, is refused with the
+    mapping it stands for."""
+    if isinstance(value, str):
+        kinds = registry.kinds()
+        if value in kinds:
+            raise ValueError(f"expected a mapping: write collective: {{kind: {value}}} (that "
+                             "kind's options go beside kind)")
+        raise ValueError(f"expected a mapping {{kind: ...}}, kind one of {', '.join(kinds)}; "
+                         f"got {value!r}")
+    return value
+
+
 COLLECTIVES: dict[str, type[_Collective]] = {name: _collective_model(registry.kind(name))
                                              for name in registry.kinds()}
-CollectiveSpec = Annotated[reduce(or_, COLLECTIVES.values()), Field(discriminator="kind")]
+CollectiveSpec = Annotated[reduce(or_, COLLECTIVES.values()), Field(discriminator="kind"),
+                           BeforeValidator(collective_mapping)]

@@ -60,6 +60,26 @@ def as_list(value: Any) -> Any:
 Endpoint = Annotated[int | str, BeforeValidator(_endpoint)]
 WorkerIndex = Annotated[int, Field(ge=0, strict=True)]
 WorkerList = Annotated[list[WorkerIndex], Field(min_length=1), BeforeValidator(as_list)]
-GroupName = Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_.-]*$")]
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"  # a scenario's name: it names the run's files
+GROUP_PATTERN = r"^[A-Za-z_][A-Za-z0-9_.-]*$"
+# What each pattern a field has takes, in words, for the message that refuses a string.
+PATTERN_WORDS = {
+    NAME_PATTERN: "letters, digits, '.', '_' and '-', starting with a letter or a digit (no "
+                  "spaces)",
+    GROUP_PATTERN: "letters, digits, '.', '_' and '-', starting with a letter or '_' (no spaces)",
+}
+
+
+def _group_name(value: Any) -> Any:
+    """A group's name; a number (a worker's index where a group was meant) is refused with how
+    to name a group."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        raise ValueError(f"expected a group's name, got the number {value}: groups are named "
+                         f"sets of workers (topology: {{groups: {{east: [{value}]}}}}); use "
+                         "the name")
+    return value
+
+
+GroupName = Annotated[str, Field(pattern=GROUP_PATTERN), BeforeValidator(_group_name)]
 GroupList = Annotated[list[GroupName], Field(min_length=1), BeforeValidator(as_list)]
 PositiveSeconds = Annotated[Seconds, Field(gt=0)]

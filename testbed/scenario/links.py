@@ -12,6 +12,13 @@ shape the kernel after it.
   partition of its groups would cut; a link another partition still cuts stays cut.
 - A ramp moves a link from its profile at the start (or the ramp's `from`) to `to` over `over`
   seconds; `ramp_profiles` gives any moment of it.
+- A link's *seed* (of netem's random numbers) is its profile's own, else one derived from the
+  run's seed and the link (`derive_seed(run_seed, src, dst)`: another link's change leaves it as
+  it is), where the link draws random numbers (`draws_random`). `shaped` is what the kernel is
+  given: the link's profile with its seed, on every change (netem restarts its sequence from
+  the seed it is sent, and re-seeds at random on a change that carries none).
+- A timeline's events act in the order a run carries them out (`run_order`: each clock's
+  events by time or step), which validation replays (`replay`), whatever the file's order.
 
 Pure: no kernel, no clock, no torch.
 """
@@ -21,11 +28,19 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-from netem.profile import LinkProfile, ProfileError
+from netem.profile import LinkProfile, ProfileError, derive_seed
 
 Pair = tuple[int, int]
 CUT = LinkProfile(loss=1.0)  # what a partitioned link carries: nothing
 ALL = "all"  # reserved group name: every worker (in `heal`, every partition)
+
+
+def draws_random(profile: LinkProfile) -> bool:
+    """Whether netem draws random numbers from the link's seed: for loss, duplication,
+    corruption, reordering, jitter or a slot distribution. A link without any needs no seed."""
+    return bool(profile.loss or profile.gilbert_elliott or profile.duplicate or profile.corrupt
+                or profile.reorder or profile.jitter
+                or (profile.slot is not None and profile.slot.distribution is not None))
 
 
 def partition_pairs(groups: Mapping[str, Sequence[int]], names: Sequence[str],
@@ -44,14 +59,30 @@ def partition_pairs(groups: Mapping[str, Sequence[int]], names: Sequence[str],
     return cut
 
 
+def run_order(events: Sequence[Any]) -> list[int]:
+    """The indices of timeline `events` in the order a run carries them out: the events of each
+    clock by their time (`at`) or step, ties in the file's order. Between the two clocks the
+    file's order stands: which of a time and a step comes first is known only as the run goes
+    (`testbed.cluster.timeline`)."""
+    order = list(range(len(events)))
+    for clock in ("at", "step"):
+        places = [i for i in order if events[i].clock[0] == clock]
+        for place, index in zip(places, sorted(places, key=lambda i: events[i].clock[1]),
+                                strict=True):
+            order[place] = index
+    return order
+
+
 class LinkState:
     """Every directed link's profile, the cut links and the partitions in force, among `count`
-    workers in `groups`. Each change returns the links whose effective profile it may have
-    changed: what a shaper has to redo."""
+    workers in `groups`, and the run's seed (None: the kernel picks each link's). Each change
+    returns the links whose effective profile it may have changed: what a shaper has to redo."""
 
     def __init__(self, profiles: Mapping[Pair, LinkProfile],
-                 groups: Mapping[str, Sequence[int]], count: int) -> None:
+                 groups: Mapping[str, Sequence[int]], count: int,
+                 run_seed: int | None = None) -> None:
         self.count = count
+        self.run_seed = run_seed
         self.groups = {name: list(members) for name, members in groups.items()}
         self._profiles = dict(profiles)
         self._cut: set[Pair] = set()
@@ -59,8 +90,8 @@ class LinkState:
 
     @classmethod
     def of(cls, scenario: Any) -> LinkState:
-        """The links of a scenario (a `Scenario`) before any fault."""
-        return cls(scenario.links(), scenario.topology.groups, scenario.count)
+        """The links of a scenario (a `Scenario`) before any fault, seeded by its `seed`."""
+        return cls(scenario.links(), scenario.topology.groups, scenario.count, scenario.seed)
 
     # -- reading
 
@@ -89,6 +120,29 @@ class LinkState:
     def into(self, dst: int) -> dict[int, LinkProfile]:
         """What each other worker's packets to `dst` carry now, by sender."""
         return {src: self.effective(src, dst) for src in range(self.count) if src != dst}
+
+    def shaped(self, src: int, dst: int) -> LinkProfile:
+        """What the kernel is given for the link now: `effective`, with the link's seed."""
+        profile = self.effective(src, dst)
+        seed = self._seed(self.pair(src, dst), profile)
+        return profile if seed == profile.seed else profile.model_copy(update={"seed": seed})
+
+    def shaped_into(self, dst: int) -> dict[int, LinkProfile]:
+        """`shaped` of each other worker's link to `dst`, by sender."""
+        return {src: self.shaped(src, dst) for src in range(self.count) if src != dst}
+
+    def seeds(self) -> dict[str, int]:
+        """Each link's seed as its profile stands (cut or not), keyed "src->dst" as a run
+        records them: the links that have one."""
+        found = {pair: self._seed(pair, profile) for pair, profile in self._profiles.items()}
+        return {f"{s}->{d}": seed for (s, d), seed in sorted(found.items()) if seed is not None}
+
+    def _seed(self, pair: Pair, profile: LinkProfile) -> int | None:
+        """The profile's own seed, else the run's for the link where the profile draws random
+        numbers (see the module's rules)."""
+        if profile.seed is not None or self.run_seed is None or not draws_random(profile):
+            return profile.seed
+        return derive_seed(self.run_seed, *pair)
 
     # -- changing
 
@@ -159,11 +213,13 @@ class LinkState:
         return {pair: ramp.profile_at(profile, elapsed) for pair, profile in start.items()}
 
     def replay(self, events: Sequence[Any]) -> Iterator[tuple[int, Pair, LinkProfile | Exception]]:
-        """Every profile a link will be given along `events` (in file order; a ramp at both
-        ends), as (event index, link, profile), changing this state as it goes (replay a fresh
-        `LinkState.of(scenario)`). Where an event's profile cannot be made (`ProfileError`), the
-        error comes in the profile's place, once, and that event changes nothing."""
-        for index, event in enumerate(events):
+        """Every profile a link will be given along `events` (a timeline, in the order a run
+        carries it out: `run_order`; a ramp at both ends), as (event index, link, profile),
+        changing this state as it goes (replay a fresh `LinkState.of(scenario)`). Where an
+        event's profile cannot be made (`ProfileError`), the error comes in the profile's place,
+        once, and that event changes nothing."""
+        for index in run_order(events):
+            event = events[index]
             if event.action not in ("set_link", "ramp_link"):
                 continue
             value = getattr(event, event.action)

@@ -3,23 +3,21 @@ every problem as `FILE:LINE: path.to.field: what is wrong; allowed: ...`."""
 
 from __future__ import annotations
 
-import difflib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, get_args, get_origin
+from typing import Any
 
 import yaml
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 
 from netem.profile import HUMAN
-from testbed.collectives.registry import kinds
-from testbed.scenario.collective import COLLECTIVES
-from testbed.scenario.fields import Loc, Problems, dotted
+from testbed.scenario.fields import Loc, dotted
+from testbed.scenario.job_files import missing_files
+from testbed.scenario.messages import messages
 from testbed.scenario.model import Scenario
-from testbed.scenario.sections import COMMAND_JOB, TRAINING_JOB, CommandJob, job_kind
-from testbed.train.config import TrainConfig
 
 SHIPPED = Path(__file__).resolve().parents[2] / "compose" / "scenarios"
+LINK_SECTIONS = ("topology", "timeline")  # where link profiles (and their samples files) are
 
 
 @dataclass(frozen=True)
@@ -59,29 +57,45 @@ def find_scenario(scenario: str | Path) -> Path:
     return given if given.exists() or str(scenario) not in shipped else shipped[str(scenario)]
 
 
-def load_scenario(source: str | Path, *, steps: int | None = None) -> Scenario:
+def load_scenario(source: str | Path, *, steps: int | None = None,
+                  base_dir: str | Path | None = None, files: bool = False) -> Scenario:
     """Validate a scenario from a path (`Path`, or a string naming an existing `.yaml`/`.yml`
     file) or from YAML text. A file without `name` is named after it; `steps` shortens the job
-    (`Scenario.with_steps`)."""
+    (`Scenario.with_steps`). A samples distribution's file (`distribution: {samples: FILE}`) is
+    relative to `base_dir`: by default the scenario file's directory (YAML text: the current
+    directory). With `files`, a command job's directory, program and script must be there too
+    (`job_files.missing_files`), as where the scenario is about to run or be checked."""
     path: Path | None = None
     if isinstance(source, Path) or (
         "\n" not in source and source.endswith((".yaml", ".yml"))
     ):
         path = Path(source)
         try:
-            text = path.read_text()
+            text = path.read_text(encoding="utf-8")
         except OSError as error:
             raise ScenarioError(str(path), [Problem("", error.strerror or str(error))]) from None
+        except UnicodeDecodeError as error:
+            raise ScenarioError(str(path), [Problem("", (
+                f"not a text file (UTF-8): byte {error.object[error.start]:#04x} at offset "
+                f"{error.start}; a scenario is YAML text"))]) from None
         label = str(path)
     else:
         text, label = source, "<text>"
     data, root = _parse(text, label)
     if path is not None and "name" not in data:
         data = {"name": path.stem, **data}
+    base = base_dir if base_dir is not None else path.parent if path is not None else None
+    if base is not None:
+        data = {section: _samples_under(value, Path(base)) if section in LINK_SECTIONS else value
+                for section, value in data.items()}
     try:
         scenario = Scenario.model_validate(data, context=HUMAN)
+        found = missing_files(scenario, Path(base)) if files and base is not None else []
     except ValidationError as error:
-        raise ScenarioError(label, _problems(error, data, root)) from None
+        found = messages(error, data)
+    if found:
+        raise ScenarioError(label, [Problem(dotted(where), message, _line(root, where))
+                                    for where, message in found])
     if steps is None:
         return scenario
     try:
@@ -89,6 +103,20 @@ def load_scenario(source: str | Path, *, steps: int | None = None) -> Scenario:
     except ValueError as error:
         raise ScenarioError(label, [Problem("steps", str(error).removeprefix("steps: "))]) \
             from None
+
+
+def _samples_under(data: Any, base: Path) -> Any:
+    """`data` with the file of every samples distribution (`distribution: {samples: FILE}`, a
+    link's or a slot's) relative to `base` instead of the current directory."""
+    if isinstance(data, list):
+        return [_samples_under(item, base) for item in data]
+    if not isinstance(data, dict):
+        return data
+    found = {key: _samples_under(value, base) for key, value in data.items()}
+    given = found.get("distribution")
+    if isinstance(given, dict) and isinstance(given.get("samples"), str):
+        found["distribution"] = {**given, "samples": str(base / given["samples"])}
+    return found
 
 
 # --- YAML ---------------------------------------------------------------------------------------
@@ -151,105 +179,3 @@ def _line(root: yaml.Node, loc: Loc) -> int:
         else:
             break
     return line
-
-
-# --- pydantic errors to problems ----------------------------------------------------------------
-
-_SHOW_INPUT = ("_type", "_parsing", "greater_than", "greater_than_equal", "less_than",
-               "less_than_equal", "too_short", "too_long", "string_pattern_mismatch")
-
-
-def _problems(error: ValidationError, data: dict, root: yaml.Node) -> list[Problem]:
-    problems = []
-    for item in error.errors():
-        loc = _clean(item["loc"], data)
-        for where, message in _messages(item, loc, data):
-            problems.append(Problem(dotted(where), message, _line(root, where)))
-    return problems
-
-
-def _clean(loc: tuple, data: dict) -> Loc:
-    """Drop the parts pydantic adds for unions (the collective's kind tag, the job's, member
-    type names), keeping every part that is a key or index of the document there."""
-    cleaned: list[str | int] = []
-    value: Any = data
-    for part in loc:
-        present = _has(value, part) if isinstance(value, dict | list) else False
-        added = (isinstance(part, str) and ("[" in part or "(" in part)) or (
-            cleaned == ["collective"] and part in kinds()) or (
-            cleaned == ["job"] and part in (TRAINING_JOB, COMMAND_JOB))
-        if added and not present:
-            continue
-        cleaned.append(part)
-        value = value[part] if present else None
-    return tuple(cleaned)
-
-
-def _messages(item: dict, loc: Loc, data: dict) -> list[tuple[Loc, str]]:
-    kind, message = item["type"], item["msg"].removeprefix("Value error, ")
-    ctx = item.get("ctx") or {}
-    if kind == "value_error" and isinstance(ctx.get("error"), Problems):
-        return [((*loc, *where), text) for where, text in ctx["error"].problems]
-    if kind == "extra_forbidden":
-        allowed = _fields_at(loc[:-1], data)
-        close = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        return [(loc, f"unknown field{hint}; allowed: {', '.join(allowed)}")]
-    if kind == "missing":
-        return [(loc, "required")]
-    if kind in ("union_tag_invalid", "union_tag_not_found"):
-        got = f"unknown collective {ctx['tag']!r}" if "tag" in ctx else "required"
-        return [((*loc, "kind"), f"{got}; allowed: {', '.join(kinds())}")]
-    if kind == "literal_error":
-        return [(loc, f"expected {ctx.get('expected')}, got {item.get('input')!r}")]
-    if kind.endswith(_SHOW_INPUT) and not isinstance(item.get("input"), dict | list):
-        message = f"{message}, got {item.get('input')!r}"
-    return [(loc, message)]
-
-
-def _fields_at(loc: Loc, data: Any) -> list[str]:
-    """The field names (aliases where set) allowed at `loc` of a scenario."""
-    current: Any = Scenario
-    value: Any = data
-    for part in loc:
-        value = value[part] if isinstance(value, dict | list) and _has(value, part) else None
-        if isinstance(current, type) and issubclass(current, BaseModel):
-            field = current.model_fields.get(str(part)) or next(
-                (f for f in current.model_fields.values() if f.alias == part), None)
-            if field is None:
-                return []
-            current = field.annotation
-        elif isinstance(part, int | str):
-            current = next(iter(get_args(current)[-1:]), None)  # list[X] / dict[K, X] -> X
-        current = _model_in(current, value)
-    if isinstance(current, type) and issubclass(current, BaseModel):
-        return [info.alias or name for name, info in current.model_fields.items()]
-    return []
-
-
-def _bare(annotation: Any) -> Any:
-    """`annotation` without its `Annotated[...]` layers."""
-    while get_origin(annotation) is Annotated:
-        annotation = get_args(annotation)[0]
-    return annotation
-
-
-def _has(value: dict | list, part: str | int) -> bool:
-    return part in value if isinstance(value, dict) else isinstance(part, int) and part < len(value)
-
-
-def _model_in(annotation: Any, value: Any) -> Any:
-    """The model inside `annotation` (X | None, a union of collectives picked by kind, a job
-    picked by whether it names a command)."""
-    annotation = _bare(annotation)
-    if isinstance(annotation, type):
-        return annotation
-    members = [a for a in map(_bare, get_args(annotation))
-               if isinstance(a, type) and issubclass(a, BaseModel)]
-    if len(members) > 1 and isinstance(value, dict) and value.get("kind") in COLLECTIVES:
-        return COLLECTIVES[value["kind"]]
-    if CommandJob in members and isinstance(value, dict):
-        return CommandJob if job_kind(value) == COMMAND_JOB else TrainConfig
-    if len(members) == 1:
-        return members[0]
-    return annotation

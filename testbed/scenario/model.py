@@ -19,7 +19,7 @@ from pydantic import BeforeValidator, Field, model_validator
 from testbed.collectives import registry
 from testbed.scenario.checks import problems
 from testbed.scenario.collective import COLLECTIVES, CollectiveSpec
-from testbed.scenario.fields import Problems, Section
+from testbed.scenario.fields import NAME_PATTERN, Problems, Section
 from testbed.scenario.queries import ScenarioQueries
 from testbed.scenario.sections import (
     Capture,
@@ -37,10 +37,11 @@ from testbed.train.config import TrainConfig
 class Scenario(ScenarioQueries, Section):
     """One run: who trains what over which network, and what goes wrong when."""
 
-    name: str = Field(default="scenario", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
+    name: str = Field(default="scenario", pattern=NAME_PATTERN,
                       description="Names the run (default: the file's name).")
     description: str = Field(default="", description="Free text for the report.")
-    seed: int = Field(default=0, ge=0, description="The run's one seed (model, data, stragglers).")
+    seed: int = Field(default=0, ge=0, description="The run's one seed (model, data, "
+                      "stragglers, and each link's netem seed unless its profile gives one).")
     workers: Annotated[Workers, BeforeValidator(worker_count)] = Field(
         default=Workers(count=4), description="A count, or {count, overrides}.")
     topology: Topology = Field(default=Topology(), description="The links between the workers.")
@@ -50,8 +51,8 @@ class Scenario(ScenarioQueries, Section):
     collective: CollectiveSpec = Field(
         default=COLLECTIVES["ring"](kind="ring"),
         description=f"kind ({', '.join(registry.kinds())}) and that collective's options.")
-    timeline: list[Event] = Field(default=[], description="Faults, at a time or a step, in "
-                                  "the order they happen.")
+    timeline: list[Event] = Field(default=[], description="Faults, at a time or a step: "
+                                  "they run in time and step order.")
     metrics: Metrics = Metrics()
     capture: Capture = Field(default=Capture(), description="Links whose frames a run records "
                              "into pcap files, and the per-flow summary (docs/capture.md).")

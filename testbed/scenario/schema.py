@@ -15,12 +15,13 @@ from pydantic.json_schema import GenerateJsonSchema
 
 from netem.profile import BitsPerSecond, Fraction, LinkTime, Seconds
 from netem.units import QUANTITIES, TIME_HELP, pattern
+from testbed.scenario.collective import option_rate, option_time
 from testbed.scenario.fields import as_list
 from testbed.scenario.links import ALL
 from testbed.scenario.model import Scenario
-from testbed.scenario.sections import Workers, byte_size, worker_count
+from testbed.scenario.sections import TOP_LEVEL, Workers, byte_size, worker_count
 from testbed.scenario.topology import LINK_HELP, LINK_TEXT, link_text
-from testbed.train.config import parse_threshold
+from testbed.train.config import TrainConfig, parse_threshold
 
 Wider = Callable[[dict], dict]  # the schema of what a validator takes, from its inner type's
 
@@ -60,6 +61,20 @@ def _quantity(kind: str, *, unit_required: bool = False) -> Wider:
     return wider
 
 
+def _each_number(wider: Wider) -> Wider:
+    """`wider` applied to the number a schema takes, alone or among a union's members (X |
+    None, X | 'auto'), the other members kept."""
+
+    def apply(inner: dict) -> dict:
+        if "anyOf" not in inner:
+            return wider(inner)
+        members = [widened for member in inner["anyOf"] for widened in (
+            wider(member)["anyOf"] if member.get("type") == "number" else [member])]
+        return {**inner, "anyOf": members}
+
+    return apply
+
+
 _TIME = _quantity("time")
 _COUNT = {key: value for key, value in Workers.model_json_schema()["properties"]["count"].items()
           if key != "title"}
@@ -69,10 +84,10 @@ _WIDER: dict[Callable, Wider] = {
     _before(Fraction): _quantity("fraction"),
     _before(BitsPerSecond): _quantity("rate", unit_required=True),
     byte_size: _quantity("size", unit_required=True),
-    parse_threshold: lambda inner: {
-        "anyOf": [_TIME(next(b for b in inner["anyOf"] if b.get("type") == "number")),
-                  {"const": "auto"}],
-        "description": f"'auto' or {TIME_HELP}"},
+    parse_threshold: lambda inner: {**_each_number(_TIME)(inner),
+                                    "description": f"'auto' or {TIME_HELP}"},
+    option_time: _each_number(_TIME),
+    option_rate: _each_number(_quantity("rate")),
     as_list: lambda inner: {"anyOf": [inner.get("items", {}), inner]},
     link_text: lambda inner: {"anyOf": [{"type": "string", "pattern": LINK_TEXT,
                                          "description": LINK_HELP}, {"const": ALL}, inner]},
@@ -101,6 +116,9 @@ class _SchemaGenerator(GenerateJsonSchema):
 def json_schema() -> dict[str, Any]:
     """The JSON Schema of a scenario file (for editors: completion, inline errors)."""
     schema = Scenario.model_json_schema(schema_generator=_SchemaGenerator)
+    job = schema["$defs"][TrainConfig.__name__]["properties"]
+    for name in TOP_LEVEL:  # the job's, but set at the top level of a scenario
+        del job[name]
     return {
         "$schema": "https://json-schema.org/draft/2020-12/schema",
         **schema,

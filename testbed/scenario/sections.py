@@ -4,14 +4,25 @@ training job is `testbed.train.TrainConfig` itself; a command of the user's own 
 
 from __future__ import annotations
 
+import json
+import posixpath
+import shlex
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
-from pydantic import BeforeValidator, Discriminator, Field, Tag, ValidationInfo, model_validator
+from pydantic import (
+    BeforeValidator,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from netem.profile import Seconds
 from netem.units import format_size, parse_size
-from testbed.scenario.fields import Congestion, Section, WorkerList
+from testbed.scenario.fields import Congestion, Section, WorkerList, as_list
 from testbed.scenario.topology import LinkText
 from testbed.train.config import TrainConfig
 from testbed.train.stragglers import StragglerSpec
@@ -146,21 +157,111 @@ class Capture(Section):
 MASTER_PORT = 29400  # torch.distributed's rendezvous on worker 0 (apart from the testbed's ports)
 
 
+def _argv(value: Any) -> Any:
+    """The program and its arguments, a list; a string (a shell's command line) is refused with
+    the list it stands for."""
+    if isinstance(value, str):
+        try:
+            words = shlex.split(value)
+        except ValueError:
+            words = value.split()
+        raise ValueError(f"expected a list of the program and its arguments (no shell splits a "
+                         f"string here), e.g. command: {json.dumps(words)}")
+    return value
+
+
+ALL_GPUS = "all"
+_GPUS_WORDS = "all, a number of GPUs (1 or more) or a list with each worker's GPU index(es)"
+
+
+def _gpu_index(value: Any, rank: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"worker {rank}: expected a GPU's index (0 or more), got {value!r}")
+    return value
+
+
+def _gpus(value: Any) -> Any:
+    """`all`, a count, or per worker a GPU's index or a list of them (made a list), each
+    wrong value named with the forms allowed."""
+    if value == ALL_GPUS:
+        return value
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return value
+    if not isinstance(value, list) or not value:
+        raise ValueError(f"expected {_GPUS_WORDS}, got {value!r}")
+    workers = []
+    for rank, given in enumerate(value):
+        indexes = [_gpu_index(index, rank) for index in as_list(given)]
+        if not indexes:
+            raise ValueError(f"worker {rank}: expected a GPU's index or a list of them, got []")
+        if len(set(indexes)) < len(indexes):
+            raise ValueError(f"worker {rank}: a GPU listed twice in {indexes}")
+        workers.append(indexes)
+    return workers
+
+
+GpuIndex = Annotated[int, Field(ge=0)]
+Gpus = Annotated[Literal["all"] | Annotated[int, Field(ge=1)] | list[GpuIndex | list[GpuIndex]],
+                 BeforeValidator(_gpus)]
+
+
 class CommandJob(Section):
     """A program of the user's own as the job (docs/your-code.md): every worker runs it in its
     namespace (or container) with the torch.distributed environment set (RANK, WORLD_SIZE,
     MASTER_ADDR, MASTER_PORT, ...), so a script written for torchrun runs unmodified."""
 
-    command: list[str] = Field(min_length=1, description="The program and its arguments, run "
-                               "in `cwd`; `python` is the interpreter that runs the testbed.")
+    command: Annotated[list[str], BeforeValidator(_argv)] = Field(
+        min_length=1, description="The program and its arguments, run in `cwd`; `python` is "
+        "the interpreter that runs the testbed.")
     env: dict[str, str] = Field(default={}, description="More environment variables for it.")
-    cwd: str | None = Field(default=None, description="Where it runs, relative to the "
-                            "scenario file (default: the scenario file's directory).")
+    cwd: str | None = Field(default=None, description="Where it runs: a directory inside the "
+                            "scenario file's, relative to it (default: the scenario file's "
+                            "directory).")
     master_port: int = Field(default=MASTER_PORT, ge=1, le=65535, description="MASTER_PORT: "
                              "where torch.distributed's rendezvous listens on worker 0.")
     metrics_port: int | None = Field(default=None, ge=1, le=65535, description="A port the "
                                      "program serves Prometheus metrics on in each worker: "
                                      "scraped with the workers' own (TESTBED_METRICS_PORT).")
+    gpus: Gpus | None = Field(default=None, description="The host's GPUs each worker sees "
+                              "(CUDA_VISIBLE_DEVICES, by nvidia-smi's indexes; under Compose, "
+                              "reserved for its container): all, a number N (worker r gets GPU r "
+                              "mod N, so workers share GPUs where there are more of them), or a "
+                              "list with each worker's GPU index or indexes. Null: the host's "
+                              "environment decides.")
+    nccl: bool | None = Field(default=None, description="NCCL over the worker's shaped "
+                              "interface, with sockets only (NCCL_SOCKET_IFNAME; peer-to-peer, "
+                              "shared memory, InfiniBand and NVLink SHARP off), so its traffic "
+                              "crosses the scenario's links. Null: whenever gpus is given.")
+
+    @field_validator("cwd")
+    @classmethod
+    def _inside_the_scenario_directory(cls, cwd: str | None) -> str | None:
+        """Every placement has the scenario's directory (a Compose worker no more than the
+        job's part of it, mounted at /job), so `cwd` is a directory inside it."""
+        if cwd is None:
+            return None
+        if posixpath.isabs(cwd):
+            raise ValueError(f"expected a directory relative to the scenario file's, got the "
+                             f"absolute path {cwd!r}: a Compose worker has only what is inside "
+                             "the scenario's directory")
+        if posixpath.normpath(cwd).split("/")[0] == "..":
+            raise ValueError(f"expected a directory inside the scenario file's, got {cwd!r}, "
+                             "which is outside it: a Compose worker has only what is inside "
+                             "the scenario's directory")
+        return cwd
+
+    def worker_gpus(self, rank: int) -> list[int] | None:
+        """The indexes of worker `rank`'s GPUs; None: no choice made (every GPU it finds)."""
+        if self.gpus is None or self.gpus == ALL_GPUS:
+            return None
+        if isinstance(self.gpus, int):
+            return [rank % self.gpus]
+        return as_list(self.gpus[rank])
+
+    @property
+    def uses_nccl(self) -> bool:
+        """Whether NCCL is put on the shaped links (`nccl`, by default with `gpus`)."""
+        return self.gpus is not None if self.nccl is None else self.nccl
 
 
 def job_kind(value: Any) -> str:
@@ -170,6 +271,7 @@ def job_kind(value: Any) -> str:
 
 
 TRAINING_JOB, COMMAND_JOB = "training job", "command job"  # tags of `job`'s union
+TOP_LEVEL = ("seed",)  # the training job's fields a scenario sets at its top level, not in job
 JobSpec = Annotated[
     Annotated[TrainConfig, Tag(TRAINING_JOB)] | Annotated[CommandJob, Tag(COMMAND_JOB)],
     Discriminator(job_kind),

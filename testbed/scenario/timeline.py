@@ -3,10 +3,13 @@ ramped, a partition and its heal, workers killed and restarted, a straggler burs
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from pydantic import BaseModel, Field, model_validator
 
 from netem.profile import LinkProfile, Seconds
 from testbed.scenario.fields import GroupList, PositiveSeconds, Section, WorkerList
+from testbed.scenario.links import run_order
 from testbed.scenario.topology import LinkPatch, Selector, patch_profile
 from testbed.train.stragglers import StragglerSpec
 
@@ -121,7 +124,7 @@ class Event(Section):
 
     def describe(self) -> str:
         """One line for the event log: when, what, on what."""
-        when = f"at {self.at:g}s" if self.at is not None else f"step {self.step}"
+        when = _when(self)
         value = getattr(self, self.action)
         if isinstance(value, SetLink):
             what = f"{value.link.describe()} {_patch_text(value.profile)}"
@@ -135,6 +138,19 @@ class Event(Section):
         else:
             what = ", ".join(map(str, value))
         return f"{when}: {self.action} {what}" + (f" ({self.note})" if self.note else "")
+
+
+def order_note(events: Sequence[Event]) -> str | None:
+    """How the run orders `events` where that is not the file's order (None where it is)."""
+    order = run_order(events)
+    if order == sorted(order):
+        return None
+    listed = ", ".join(f"[{i}] {_when(events[i])}" for i in order)
+    return f"timeline: runs in time and step order, not the file's: {listed}"
+
+
+def _when(event: Event) -> str:
+    return f"at {event.at:g}s" if event.at is not None else f"step {event.step}"
 
 
 def _patch_text(patch: BaseModel) -> str:

@@ -3,8 +3,9 @@ or as text such as '0->1'), the profile every link gets, and changes to a profil
 
 from __future__ import annotations
 
+import functools
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Annotated, Any
 
 from pydantic import (
@@ -153,13 +154,24 @@ def _link_patch_model() -> type[BaseModel]:
         fields[name] = (annotation | None, Field(default=None, alias=info.alias))
     validators = {
         decorator.cls_var_name: field_validator(*decorator.info.fields, mode=decorator.info.mode)(
-            classmethod(decorator.func.__func__))
+            classmethod(_null_passes(decorator.func.__func__)))
         for decorator in LinkProfile.__pydantic_decorators__.field_validators.values()
     }
     model = create_model("LinkPatch", __base__=Section, __validators__=validators, **fields)
     model.__doc__ = ("Some fields of a link profile (same units as LinkProfile); the others stay "
                      "as they are, and null resets a field to its default.")
     return model
+
+
+def _null_passes(check: Callable[..., Any]) -> Callable[..., Any]:
+    """A field validator of the profile, for a patch: null resets the field to its default, so
+    there is no value to check."""
+
+    @functools.wraps(check)
+    def checked(cls: type, value: Any, *rest: Any) -> Any:
+        return value if value is None else check(cls, value, *rest)
+
+    return checked
 
 
 LinkPatch = _link_patch_model()

@@ -8,21 +8,29 @@ can run stragglers and DropCompute on a fake clock without sleeping.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
-from torch.nn.utils import parameters_to_vector
+from torch import nn
+from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from testbed.collectives.base import AllReduceStats, Collective
 from testbed.train.config import TrainConfig
 from testbed.train.data import Dataset, Shard, characters, digits
+from testbed.train.diloco import DiLoCo
 from testbed.train.dropcompute import DropCompute
 from testbed.train.models import build_model, evaluate, loss_fn
 from testbed.train.stragglers import StragglerDelay
-from testbed.train.strategies import make_strategy
+from testbed.train.strategies import (
+    GradientAllReduce,
+    ParameterAveraging,
+    ShardedUpdate,
+    Strategy,
+)
 
 
 class Clock(Protocol):
@@ -105,10 +113,39 @@ class TrainResult:
         return summarize_steps(self.records)
 
 
+def make_strategy(config: TrainConfig, collective: Collective, model: nn.Module) -> Strategy:
+    """The strategy the job's `strategy` names (`strategies`, `diloco`)."""
+    if config.strategy == "average":
+        return ParameterAveraging(collective, model, config.optimizer, config.average_every)
+    if config.strategy == "sharded":
+        return ShardedUpdate(collective, model, config.optimizer)
+    if config.strategy == "diloco":
+        return DiLoCo(collective, model, config)
+    return GradientAllReduce(collective, model, config.optimizer)
+
+
 def load_dataset(config: TrainConfig) -> Dataset:
     if config.model == "char-lm":
         return characters(config.context, config.corpus_chars)
     return digits()
+
+
+def job_device(config: TrainConfig, rank: int) -> torch.device:
+    """Where worker `rank` trains: the CPU, or with `device: cuda` GPU `rank` mod the GPUs it
+    sees (several workers share one where there are more workers than GPUs)."""
+    if config.device == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError("job.device: cuda, but torch.cuda.is_available() is False on this host "
+                         "(no GPU, no driver, or a torch built without CUDA); use device: cpu")
+    return torch.device("cuda", rank % torch.cuda.device_count())
+
+
+def on_device(data: Dataset, device: torch.device) -> Dataset:
+    """`data` with its tensors on `device` (the same tensors where they are there already)."""
+    return dataclasses.replace(
+        data, **{name: getattr(data, name).to(device)
+                 for name in ("train_x", "train_y", "test_x", "test_y")})
 
 
 class Job:
@@ -136,10 +173,11 @@ class Job:
         self.rank = rank
         self.clock = clock or SystemClock()
         self.slowdown = slowdown
-        self.data = load_dataset(config)
+        self.device = job_device(config, rank)
+        self.data = on_device(load_dataset(config), self.device)
         self.shard = Shard(len(self.data.train_y), rank, world, config.seed)
         self.model = build_model(config.model, self.data, config.context, config.seed,
-                                 config.width, config.layers)
+                                 config.width, config.layers).to(self.device)
         self.parameters = list(self.model.parameters())
         self.strategy = make_strategy(config, collective, self.model)
         self.delay = (
@@ -192,6 +230,26 @@ class Job:
             threshold_seconds=self.drop.threshold if self.drop else None,
             stats=stats,
         )
+
+    def state(self) -> torch.Tensor:
+        """What a rejoining worker takes from a live one (flat, on the host: it travels through
+        the run's store): DiLoCo's outer state, else the parameters."""
+        if isinstance(self.strategy, DiLoCo):
+            return self.strategy.state()
+        return parameters_to_vector(self.parameters).detach().cpu()
+
+    def restore(self, state: torch.Tensor) -> None:
+        """Take another worker's `state()` (as sent: float32)."""
+        if isinstance(self.strategy, DiLoCo):
+            self.strategy.restore(state)
+        else:
+            vector_to_parameters(state.to(self.parameters[0]), self.parameters)
+
+    @property
+    def state_is_parameters(self) -> bool:
+        """Whether `state()` is the parameters, which a collective may hand a rejoining worker
+        itself (Moshpit's `pull_state`); DiLoCo's outer state comes only from a live worker."""
+        return not isinstance(self.strategy, DiLoCo)
 
     def evaluate(self) -> dict[str, float]:
         return evaluate(self.model, self.data, self.config.eval_samples)

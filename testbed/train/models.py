@@ -60,7 +60,7 @@ class CharTransformer(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         length = ids.shape[1]
-        mask = nn.Transformer.generate_square_subsequent_mask(length)
+        mask = nn.Transformer.generate_square_subsequent_mask(length, device=ids.device)
         hidden = self.embed(ids) + self.position[:length]
         return self.head(self.norm(self.blocks(hidden, mask=mask, is_causal=True)))
 

@@ -9,6 +9,9 @@
   `sharded_step` has `step(parameters_flat, gradient_flat, step, update) -> (parameters_flat,
   AllReduceStats)` (`base.ShardedStep`), calling `update(start, parameters, gradient) -> new
   parameters` for the slice of the flat vector that begins at `start` (see `ShardOptimizer`).
+- `diloco`: DiLoCo and Streaming DiLoCo, inner steps and an outer optimizer (`diloco.DiLoCo`).
+
+`job.make_strategy` picks one by the job's `strategy`.
 """
 
 from __future__ import annotations
@@ -22,13 +25,14 @@ from torch.nn.utils import parameters_to_vector
 
 from testbed.collectives.base import AllReduceStats, Collective, ShardedStep
 from testbed.train import dropcompute
-from testbed.train.config import OptimizerSpec, TrainConfig
+from testbed.train.config import OptimizerSpec
 
 
 def build_optimizer(spec: OptimizerSpec,
                     parameters: Sequence[torch.Tensor]) -> torch.optim.Optimizer:
     """The torch optimizer `spec` names, over `parameters`."""
-    kind = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}[spec.name]
+    kind = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam,
+            "adamw": torch.optim.AdamW}[spec.name]
     return kind(parameters, **spec.options())
 
 
@@ -55,7 +59,7 @@ class GradientAllReduce:
 
     def apply(self, gradient_sum: torch.Tensor, count: int, step: int) -> AllReduceStats:
         mean, stats = self.collective.allreduce(dropcompute.pack(gradient_sum, count), step)
-        _step(self.optimizer, self.parameters, dropcompute.unpack(mean))
+        optimizer_step(self.optimizer, self.parameters, dropcompute.unpack(mean))
         return stats
 
 
@@ -69,7 +73,7 @@ class ParameterAveraging:
         self.every = every
 
     def apply(self, gradient_sum: torch.Tensor, count: int, step: int) -> AllReduceStats | None:
-        _step(self.optimizer, self.parameters, gradient_sum / count)
+        optimizer_step(self.optimizer, self.parameters, gradient_sum / count)
         if (step + 1) % self.every:
             return None
         mean, stats = self.collective.allreduce(parameters_to_vector(self.parameters), step)
@@ -96,7 +100,7 @@ class ShardOptimizer:
             holder = nn.Parameter(parameters.detach().clone())
             self._slices[key] = (holder, build_optimizer(self.spec, [holder]))
         holder, optimizer = self._slices[key]
-        _step(optimizer, [holder], gradient, parameters)
+        optimizer_step(optimizer, [holder], gradient, parameters)
         return holder.detach().clone()
 
 
@@ -118,7 +122,7 @@ class ShardedUpdate:
         return stats
 
 
-def _step(
+def optimizer_step(
     optimizer: torch.optim.Optimizer,
     parameters: Sequence[torch.Tensor],
     gradient: torch.Tensor,
@@ -131,11 +135,3 @@ def _step(
         parameter.grad = torch.empty_like(parameter)
     write_flat(gradient, [p.grad for p in parameters])
     optimizer.step()
-
-
-def make_strategy(config: TrainConfig, collective: Collective, model: nn.Module) -> Strategy:
-    if config.strategy == "average":
-        return ParameterAveraging(collective, model, config.optimizer, config.average_every)
-    if config.strategy == "sharded":
-        return ShardedUpdate(collective, model, config.optimizer)
-    return GradientAllReduce(collective, model, config.optimizer)

@@ -35,10 +35,16 @@ def codec_of(dtype: torch.dtype) -> Codec:
 
 
 def as_bytes(tensor: torch.Tensor | np.ndarray) -> tuple[Codec, memoryview]:
-    """The tensor's codec and its raw bytes (a view, no copy, for contiguous CPU tensors)."""
+    """The tensor's codec and its raw bytes (a view, no copy, for contiguous tensors). Only
+    host memory is read or written here: a tensor on another device is refused, not copied
+    (a copy would take a received message in place of `out`); the collectives bring theirs to
+    the host and back through `staging.Staged`."""
     if isinstance(tensor, np.ndarray):
         tensor = torch.from_numpy(np.ascontiguousarray(tensor))
-    values = tensor.detach().cpu().reshape(-1)
+    if tensor.device.type != "cpu":
+        raise ValueError(f"tensor: on {tensor.device}; the wire reads and writes host memory "
+                         "(bring it there with testbed.transport.staging.Staged)")
+    values = tensor.detach().reshape(-1)
     codec = codec_of(values.dtype)
     return codec, memoryview(values.view(torch.uint8).numpy())
 

@@ -1,7 +1,8 @@
 """The pytest plugin as a user's suite meets it (root, namespaces, the host kernel's fallback:
 loss, rate and limit): user test files run by pytest in a subprocess, with the `netem` marker and
 the network fixtures; a failing test, an erroring fixture and Ctrl-C leave no namespace and no
-process behind; without sch_netem a delay is skipped with its reason, or fails under CI."""
+process behind; without sch_netem a delay is skipped with its reason, or fails under CI; the
+links' seeds, and the marker a failed test's report gives to replay it."""
 
 from __future__ import annotations
 
@@ -9,10 +10,10 @@ import json
 import signal
 import subprocess
 import sys
-import time
-from pathlib import Path
+from functools import partial
 
 import pytest
+from live import ended, unless_ended, wait_for
 
 from netem.lab import lab_namespaces
 
@@ -95,21 +96,8 @@ def assert_nothing_left(records: list[dict]) -> None:
     for record in records:
         assert lab_namespaces(record["prefix"]) == [], f"namespaces of {record} left"
         for pid in record.get("pids", []):
-            assert _gone(pid, within=10.0), f"process {pid} of {record} left running"
-
-
-def _gone(pid: int, within: float) -> bool:
-    """Whether process `pid` is gone (or a zombie) within `within` seconds."""
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
-        except OSError:
-            return True
-        if state == "Z":
-            return True
-        time.sleep(0.05)
-    return False
+            wait_for(f"process {pid} of {record} to end", partial(ended, pid), bool, 10.0,
+                     every=0.05)
 
 
 def test_a_udp_echo_gets_through_a_lossy_link_with_retries(pytester: pytest.Pytester):
@@ -173,7 +161,7 @@ def test_links_change_and_partition_and_heal_during_a_test(pytester: pytest.Pyte
 def test_measuring_a_link_gets_the_configured_loss_and_rate(pytester: pytest.Pytester):
     user_suite(pytester, """
         import pytest
-        from netem.probe.analysis import Z
+        from netem.probe.verdicts import Z
 
         @pytest.mark.netem(loss="10%", links={(1, 0): {"rate": "20mbit"}})
         def test_measure(netem_network):
@@ -253,11 +241,9 @@ def test_ctrl_c_during_a_test_removes_its_network_and_processes(pytester: pytest
                                 f"--basetemp={pytester.path / 'tmp'}"],
                                cwd=pytester.path, stdout=log, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 60
-        while not made(pytester):
-            assert process.poll() is None, (pytester.path / "pytest.log").read_text()
-            assert time.monotonic() < deadline, "the user's test never started"
-            time.sleep(0.1)  # polling the file the test writes, a bounded wait
+        started = unless_ended(lambda: bool(made(pytester)), process,
+                               (pytester.path / "pytest.log").read_text)
+        wait_for("the user's test to start (the file it writes)", started, bool, 60, every=0.1)
         process.send_signal(signal.SIGINT)
         code = process.wait(timeout=60)
     finally:
@@ -349,3 +335,57 @@ def test_a_scenario_runs_into_the_tests_tmp_path(pytester: pytest.Pytester):
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*AssertionError: the run passed; this shows the report's*",
                                  "*netem scenario runs*", "*run-scenario: success=True error=None"])
+
+
+def test_the_links_seeds_come_from_the_networks_and_a_failure_says_how_to_replay(
+        pytester: pytest.Pytester):
+    """A network's seed (given, else drawn once for the test) seeds each link's netem: the
+    qdisc carries `derive_seed(seed, src, dst)`, on every change too. The fallback (this host's
+    kernel) cannot use a seed: it is given none, and the seed is still reported."""
+    user_suite(pytester, """
+        import netem
+        import pytest
+        from netem.profile import derive_seed
+        from helpers import remember
+
+        def kernel(network, src, dst):
+            '''What the kernel shapes src -> dst with: the rule of src's addresses on dst's
+            switch port, else the port's catch-all.'''
+            rules = netem.show(f"p{dst}", netns=f"{network.prefix}-sw")
+            address = network[src].address
+            return next((profile for source, profile in rules.items() if source is not None
+                         and address in (source if isinstance(source, tuple) else (source,))),
+                        rules[None])
+
+        def seeded(network, src, dst):
+            '''The seed the link's qdisc carries, as it should be with this backend.'''
+            shaped = kernel(network, src, dst)
+            if network.backend == "netem":
+                assert shaped.seed == derive_seed(network.seed, src, dst)
+            else:  # nftables' numgen takes no seed: none is given
+                assert shaped.seed is None
+            return shaped
+
+        @pytest.mark.netem(loss="5%", seed=7)
+        def test_given(netem_network):
+            assert netem_network.seed == 7
+            assert seeded(netem_network, 0, 1).loss == 0.05
+            netem_network.set_link(1, 0, loss="20%")
+            assert seeded(netem_network, 1, 0).loss == 0.2
+            assert netem_network.profile(1, 0).seed is None  # the profile has none of its own
+
+        @pytest.mark.netem(loss="5%")
+        def test_drawn(make_netem_network):
+            first, second = make_netem_network(), make_netem_network(3)
+            remember(prefix=first.prefix, seed=first.seed)
+            assert second.seed == first.seed  # one seed for the test's networks
+            seeded(second, 2, 1)
+            assert False, "a failing test: its report says how to replay it"
+    """)
+    result = pytester.runpytest_subprocess(timeout=TIMEOUT)
+    result.assert_outcomes(passed=1, failed=1)
+    (record,) = made(pytester)
+    result.stdout.fnmatch_lines([
+        f"*netem network {record['prefix']}*", "2 hosts, *", f"seed {record['seed']}",
+        "*netem replay*", "the networks' seed was drawn; to replay them with the same seed, "
+        "mark the test", f"@pytest.mark.netem(loss='5%', seed={record['seed']})"])

@@ -7,11 +7,11 @@ import time
 
 import pytest
 
-from netem.profile import LinkProfile
+from netem.profile import LinkProfile, derive_seed
 from testbed.cluster.shaped import ShapedNetwork
 from testbed.cluster.timeline import Timeline
 from testbed.report.writer import RunWriter
-from testbed.scenario import LinkState, load_scenario
+from testbed.scenario import CUT, LinkState, load_scenario
 
 
 class FakeClock:
@@ -134,6 +134,28 @@ def test_partition_and_heal_bookkeeping(setup):
     assert network.cut == set()
     assert records[-1]["action"] == "heal" and len(records[-1]["pairs"]) == 8
     assert timeline.pending == 3  # the step events
+
+
+def test_every_change_gives_the_kernel_the_links_seed(setup):
+    """The scenario's seed (0 here, by default) seeds every link that draws random numbers,
+    through each change: netem re-seeds at random on a change that carries none."""
+    _, clock, network, _, _, timeline = setup
+    links = network.links
+
+    def seed(src, dst):
+        return derive_seed(0, src, dst)
+
+    assert links.shaped(0, 1) == LinkProfile.parse(loss="1%", seed=seed(0, 1))
+    advance(clock, timeline, 2)  # set_link 0->1
+    assert links.shaped(0, 1) == LinkProfile.parse(loss="5%", seed=seed(0, 1))
+    assert links.shaped(0, 2) == LinkProfile.parse(loss="1%", rate="10mbit", seed=seed(0, 2))
+    advance(clock, timeline, 12)  # halfway through the ramp of 2->3
+    assert links.shaped(2, 3) == LinkProfile.parse(loss="10%", seed=seed(2, 3))
+    advance(clock, timeline, 20)  # the partition: cut links carry their seed too
+    assert links.shaped(0, 2) == CUT.model_copy(update={"seed": seed(0, 2)})
+    advance(clock, timeline, 30)  # the heal: the profile set meanwhile, with its seed
+    assert links.shaped(0, 2) == LinkProfile.parse(loss="3%", rate="10mbit", seed=seed(0, 2))
+    assert network.profiles[(0, 2)].seed is None  # the profile itself has none of its own
 
 
 def test_heal_of_one_partition_keeps_links_another_still_cuts():

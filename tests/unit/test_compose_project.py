@@ -1,6 +1,7 @@
 """The Compose projects `testbed compose` writes: one per shipped scenario, in step with it,
 with the settings the workers need and nothing more (no privileged containers, ports on
-loopback only); and a node's view of the links into it (`IngressLinks`), without a kernel."""
+loopback only); and a node's view of the links into it (`IngressLinks`, and what it gives the
+kernel: each link's seed), without a kernel."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from netem.profile import LinkProfile
+from netem.profile import LinkProfile, derive_seed
 from testbed.cluster.node import KEY_FILE, IngressLinks, Node, preempting, service_name
 from testbed.cluster.relay import TARGETS_FILE
 from testbed.cluster.worker import PORTS
@@ -28,7 +29,7 @@ from testbed.compose import (
     worker_addresses,
     write_project,
 )
-from testbed.scenario import load_scenario, scenario_files
+from testbed.scenario import find_scenario, load_scenario, scenario_files
 from testbed.scenario.links import CUT
 from testbed.transport.auth import read_key
 
@@ -176,3 +177,52 @@ def test_a_node_shapes_only_links_into_it_and_cuts_and_heals_them():
     assert links.rules()[hosts[2]] == CUT and links.rules()[hosts[3]] != CUT
     links.heal([(2, 1)])
     assert links.rules()[hosts[2]] == scenario.link_profile(2, 1)
+
+
+def test_a_node_gives_the_kernel_each_links_seed(monkeypatch: pytest.MonkeyPatch):
+    scenario = load_scenario(find_scenario("loss-5"))
+    hosts = worker_addresses(scenario.count)
+    given: list[dict] = []
+    monkeypatch.setattr("netem.apply", lambda iface, rules, **_: given.append(rules))
+    monkeypatch.setattr("netem.change", lambda iface, rules, **_: given.append(rules))
+    links = IngressLinks(scenario, 1, hosts, "eth0")
+    for change in (links.start, lambda: links.set_link(2, 1, LinkProfile(loss=0.3)),
+                   lambda: links.move(3, "10.0.1.9")):
+        change()
+        seeds = {host: derive_seed(scenario.seed, src, 1)
+                 for src, host in enumerate(links.hosts) if src != 1}
+        expected = {host: links.rules()[host].model_copy(update={"seed": seed})
+                    for host, seed in seeds.items()}
+        assert given.pop() == {None: LinkProfile(), **expected}
+    assert expected[hosts[2]].loss == 0.3 and "10.0.1.9" in expected
+
+
+def test_a_command_job_gets_its_working_directory_mounted_not_the_scenarios(tmp_path: Path):
+    (tmp_path / "job" / "src").mkdir(parents=True)
+    (tmp_path / "secrets.txt").write_text("not for the containers")
+    path = tmp_path / "s.yaml"
+    path.write_text("name: s\nworkers: 2\njob: {command: [python, train.py], cwd: job/src}\n")
+    out = tmp_path / "out"
+    project = yaml.safe_load(write_project(path, out).read_text())
+    worker = project["services"]["worker-0"]
+    assert "../job/src:/job/job/src:ro" in worker["volumes"]
+    assert not any(volume.startswith("..:") for volume in worker["volumes"])
+    assert worker["command"][worker["command"].index("--base-dir") + 1] == "/job"
+    assert check_compose(out) == []
+
+
+def test_a_project_is_written_only_where_nothing_of_the_users_would_be_overwritten(
+        tmp_path: Path):
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / SCENARIO_COPY).write_text("name: my own notes\n")
+    with pytest.raises(ComposeError, match=r"holds files of its own \(scenario\.yaml\)"):
+        write_project(scenario_files()[0], out)
+    assert (out / SCENARIO_COPY).read_text() == "name: my own notes\n"
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    with pytest.raises(ComposeError, match="is a file"):
+        write_project(scenario_files()[0], afile)
+    written = tmp_path / "written"
+    for _ in range(2):  # a project written before is written again
+        write_project(scenario_files()[0], written)

@@ -1,6 +1,7 @@
 """The pytest plugin without a network (no root): it is installed (the `netem` marker and the
 fixtures are there in every pytest run), a marker with a bad field fails its test naming the
-field, what the marker and the factory take (`NetworkSpec`), and a measurement's verdict."""
+field, what the marker and the factory take (`NetworkSpec`, its seed), the marker that replays a
+failed test, and a measurement's verdict."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import pytest
 
 from netem.probe import Check, Train, analyze
 from netem.profile import LinkProfile, ProfileError
-from testbed.pytest_plugin.network import Measurement, NetworkSpec
+from testbed.pytest_plugin import replay_marker
+from testbed.pytest_plugin.network import Measurement, NetworkSpec, drawn_seed
 
 pytest_plugins = ["pytester"]
 
@@ -88,6 +90,30 @@ def test_a_scenario_gives_the_network_its_topology():
     plain = NetworkSpec.of(loss="5%").scenario_model()
     assert plain.count == 2 and plain.links() == {(0, 1): LinkProfile(loss=0.05),
                                                   (1, 0): LinkProfile(loss=0.05)}
+
+
+def test_the_seed_is_the_networks_and_drawn_where_not_given():
+    spec = NetworkSpec.of(loss="5%", seed=7)
+    assert spec.seed == 7 and spec.profile == LinkProfile.parse(loss="5%")  # not the profile's
+    assert spec.scenario_model().seed == 7 and not spec.needs_seed
+    assert NetworkSpec.of(hosts=3).under(spec).seed == 7
+    assert NetworkSpec.of(seed=8).under(spec).seed == 8
+    assert NetworkSpec.of(loss="5%").needs_seed
+    assert not NetworkSpec.of(scenario="quickstart").needs_seed  # the scenario's own seed
+    assert NetworkSpec.of(scenario="loss-5", seed=9).scenario_model().seed == 9
+    own = NetworkSpec.of({"loss": "5%", "seed": 3})  # a profile's own seed: every link's
+    assert own.seed is None and own.profile.seed == 3
+    for bad in (-1, True, "7", 1.5):
+        with pytest.raises(TypeError, match=r"seed: expected an integer, 0 or more, got "):
+            NetworkSpec.of(seed=bad)
+    assert 0 <= drawn_seed() < 2**32
+
+
+def test_the_replay_marker_is_the_tests_own_with_the_seed():
+    marker = pytest.mark.netem({"delay": "5ms"}, hosts=3, loss="5%").mark
+    replay = replay_marker(marker, 1234)
+    assert replay == "@pytest.mark.netem({'delay': '5ms'}, hosts=3, loss='5%', seed=1234)"
+    assert replay_marker(None, 5) == "@pytest.mark.netem(seed=5)"
 
 
 def test_a_measurement_asserts_the_quantities_asked_for():

@@ -10,7 +10,17 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from netem import GilbertElliott, LinkProfile, ProfileError
-from netem.profile import MAX_JITTER, derive_seed
+from netem.netlink import qdisc_request
+from netem.profile import (
+    MAX_JITTER,
+    MAX_RATE,
+    MAX_S64_SECONDS,
+    S32_MAX,
+    S32_MIN,
+    U32_MAX,
+    U64_MAX,
+    derive_seed,
+)
 from netem.units import parse_fraction, parse_rate, parse_time
 
 
@@ -31,10 +41,22 @@ def test_parse_fraction(text, fraction):
 
 @pytest.mark.parametrize(
     ("text", "bits"),
-    [("100mbit", 100_000_000), ("1gbit", 10**9), ("500kbit", 500_000), ("10mbps", 80_000_000)],
+    [("100mbit", 100_000_000), ("1gbit", 10**9), ("500kbit", 500_000), ("1tbit", 10**12)],
 )
 def test_parse_rate(text, bits):
     assert parse_rate(text) == bits
+
+
+@pytest.mark.parametrize(("text", "as_bytes", "as_bits"), [
+    ("100mbps", "800mbit", "100mbit"), ("1.5Gbps", "12gbit", "1.5gbit"),
+    ("10 KBPS", "80kbit", "10kbit"), ("64bps", "512bit", "64bit"), ("1tbps", "8tbit", "1tbit")])
+def test_a_rate_in_bps_is_refused_naming_both_readings(text, as_bytes, as_bits):
+    """tc reads 'mbps' as megabytes per second, most tools and people as megabits: neither is
+    guessed."""
+    with pytest.raises(ValueError, match="ambiguous") as error:
+        parse_rate(text)
+    assert f"'{as_bytes}'" in str(error.value) and f"'{as_bits}'" in str(error.value)
+    assert "bytes per second" in str(error.value) and "bits per second" in str(error.value)
 
 
 @pytest.mark.parametrize(
@@ -315,3 +337,45 @@ def profiles_with_new_fields(draw) -> LinkProfile:
 def test_new_fields_round_trip(profile):
     assert LinkProfile.parse(profile.to_spec()) == profile
     assert LinkProfile.model_validate_json(profile.model_dump_json()) == profile
+
+
+# Every field at the most the kernel stores is taken and encoded; one past it is refused, the
+# message saying the bound; a value the grid would make 0 is refused, not dropped.
+LARGEST = {"delay": f"{MAX_S64_SECONDS}s", "rate": f"{MAX_RATE // 10**12}tbit",
+           "limit": U32_MAX, "gap": U32_MAX, "packet_overhead": S32_MAX, "cell_size": U32_MAX,
+           "cell_overhead": S32_MIN, "seed": U64_MAX}
+
+
+@pytest.mark.parametrize(("field", "value"), LARGEST.items(), ids=list(LARGEST))
+def test_the_largest_value_of_each_field_reaches_the_kernel_encoded(field, value):
+    needs = {"gap": {"delay": "1ms", "reorder": "1%"}, "packet_overhead": {"rate": "1mbit"},
+             "cell_size": {"rate": "1mbit"},
+             "cell_overhead": {"rate": "1mbit", "cell_size": 48}}.get(field, {})
+    profile = LinkProfile.parse({**needs, field: value})
+    qdisc_request(3, "root", "1:", profile).encode()  # struct.error if a field overflowed
+    slot = LinkProfile.parse(slot={"min_delay": f"{MAX_S64_SECONDS}s"})
+    qdisc_request(3, "root", "1:", slot).encode()
+
+
+@pytest.mark.parametrize(("spec", "field", "said"), [
+    ({"delay": "100000000000000s"}, "delay", f"at most {MAX_S64_SECONDS}s"),
+    ({"delay": "1s", "jitter": "1e14s"}, "jitter", "at most"),
+    ({"slot": {"min_delay": "1e14s"}}, "slot.min_delay", f"at most {MAX_S64_SECONDS}s"),
+    ({"slot": {"distribution": "normal", "delay": "1e12s", "jitter": "1ms"}}, "slot.delay",
+     f"at most {MAX_S64_SECONDS}s"),
+    ({"rate": "1000000000000gbit"}, "rate", f"at most {MAX_RATE // 10**12}tbit"),
+    ({"loss": "0.00000001%"}, "loss", "at least 0.0000001%"),
+    ({"loss": 1e-10}, "loss", "at least 0.0000001%"),
+    ({"delay": "0.1ns"}, "delay", "at least 1ns"),
+    ({"gilbert_elliott": {"p": 4e-10}}, "gilbert_elliott.p", "at least 0.0000001%"),
+    ({"delay": "1ms", "duplicate": "1e-12"}, "duplicate", "at least 0.0000001%"),
+])
+def test_a_value_beyond_what_the_kernel_stores_is_refused_saying_the_bound(spec, field, said):
+    with pytest.raises(ProfileError) as error:
+        LinkProfile.parse(spec)
+    assert f"{field}: " in str(error.value) and said in str(error.value), error.value
+
+
+def test_code_in_base_units_may_give_less_than_the_grid_keeps():
+    """A ramp's first moments or a probability read back from the kernel: rounded, not refused."""
+    assert LinkProfile.build({"loss": 1e-10, "delay": 1e-10}) == LinkProfile()

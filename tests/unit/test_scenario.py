@@ -1,5 +1,6 @@
 """Scenario files: defaults, one clear error per kind of mistake (path, line, what is allowed),
-link resolution per directed pair, the timeline's helpers, the shipped scenarios, the schema."""
+link resolution per directed pair, the links' seeds, the timeline's helpers, samples files, the
+shipped scenarios, the schema."""
 
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from netem.profile import LinkProfile
+from netem.profile import LinkProfile, derive_seed
 from testbed.cli import app
 from testbed.scenario import (
+    LinkState,
     Scenario,
     ScenarioError,
     find_scenario,
@@ -24,6 +26,7 @@ from testbed.scenario import (
     resolve_link,
     scenario_files,
 )
+from testbed.scenario.links import draws_random, run_order
 from testbed.scenario.load import SHIPPED
 from testbed.scenario.topology import LinkPatch, Topology
 
@@ -218,6 +221,78 @@ INVALID = {
         BASE + "collective: {kind: lossy, settle: soon}\n", "collective.settle", "auto", 3),
     "mtu out of range": (
         BASE + "topology: {mtu: 100000}\n", "topology.mtu", "less than or equal to 9000", 3),
+    "a link change that breaks the link in the order the run takes": (
+        BASE + "topology: {default: {delay: 10ms}}\ntimeline:\n"
+        "  - {at: 20s, set_link: {profile: {jitter: 2ms}}}\n"
+        "  - {at: 10s, set_link: {profile: {delay: null}}}\n",
+        "timeline[0].set_link.profile", "jitter needs a delay: netem varies the delay around its "
+        "mean (events run in time and step order: this one runs after timeline[1], listed "
+        "after it)", 5),
+    "a restart run before its kill": (
+        BASE + "collective: {kind: moshpit}\njob: {strategy: average}\ntimeline:\n"
+        "  - {at: 9s, kill: 1}\n  - {at: 5s, restart: 1}\n", "timeline[1].restart",
+        "restarted before any kill (events run in time and step order: this one runs before "
+        "timeline[0], listed before it)", 7),
+    "a delay beyond the kernel's s64 nanoseconds": (
+        BASE + "topology: {default: {delay: 100000000000000s}}\n", "topology.default.delay",
+        "expected at most 9223372036s (netem keeps a time as signed 64-bit nanoseconds)", 3),
+    "a rate beyond the kernel's u64 bytes per second": (
+        BASE + "topology: {default: {rate: 1000000000000gbit}}\n", "topology.default.rate",
+        "expected at most 147573952tbit", 3),
+    "a loss too small for netem to keep": (
+        BASE + "topology: {default: {loss: 0.00000001%}}\n", "topology.default.loss",
+        "expected 0 or at least 0.0000001% (less would be 0 to netem)", 3),
+    "a rate in mbps": (
+        BASE + "topology: {default: {rate: 100mbps}}\n", "topology.default.rate",
+        "ambiguous: tc reads mbps as megabytes per second ('800mbit'), most tools as megabits "
+        "per second ('100mbit')", 3),
+    "a misspelt action": (
+        BASE + "timeline:\n  - {at: 1s, kill: 1}\n  - {at: 2s, partion: [a]}\n",
+        "timeline[1].partion", "unknown field (did you mean 'partition'?); allowed: at, step, "
+        "note, set_link, ramp_link, partition, heal, kill, restart, straggler_burst", 5),
+    "an unknown field of a ramp": (
+        BASE + "timeline:\n  - {at: 1s, ramp_link: {to: {loss: 5%}, over: 5s, during: 3s}}\n",
+        "timeline[0].ramp_link.during", "unknown field; allowed: link, from, to, over, every", 4),
+    "a profile's field beside a link's profile": (
+        BASE + "topology:\n  links:\n    - {from: 0, to: 1, delay: 5ms}\n",
+        "topology.links[0].delay", "unknown field (a field of profile: write profile: {delay: "
+        "...}); allowed: from, to, between, profile", 5),
+    "a patch's field beside the patch": (
+        BASE + "timeline:\n  - {at: 1s, set_link: {loss: 5%}}\n", "timeline[0].set_link.loss",
+        "a field of profile: write profile: {loss: ...}", 4),
+    "a compressor's parameter beside the collective's options": (
+        BASE + "collective: {kind: lossy, density: 0.1}\n", "collective.density",
+        "a field of compressor: write compressor: {density: ...}", 3),
+    "a collective named by its kind alone": (
+        BASE + "collective: moshpit\n", "collective",
+        "expected a mapping: write collective: {kind: moshpit}", 3),
+    "a command as one string": (
+        BASE + "job: {command: python train.py --steps 3}\n", "job.command",
+        'expected a list of the program and its arguments (no shell splits a string here), '
+        'e.g. command: ["python", "train.py", "--steps", "3"]', 3),
+    "a number where a command's word goes": (
+        BASE + "job: {command: [python, train.py, --steps, 30]}\n", "job.command[3]",
+        "expected text, got the number 30: quote it ('30')", 3),
+    "workers where a partition takes groups": (
+        BASE + GROUPS + "timeline:\n  - {at: 1s, partition: [0, 1]}\n",
+        "timeline[0].partition[0]", "expected a group's name, got the number 0", 5),
+    "a name its pattern refuses": (
+        "name: my run!\n", "name", "expected letters, digits, '.', '_' and '-', starting with a "
+        "letter or a digit (no spaces), got 'my run!'", 1),
+    "a section given as a number": (
+        BASE + "topology: 5\n", "topology",
+        "expected a mapping of default, groups, links, mtu, congestion, got 5", 3),
+    "a command's cwd that is absolute": (
+        BASE + "job: {command: [python, t.py], cwd: /srv/job}\n", "job.cwd",
+        "expected a directory relative to the scenario file's, got the absolute path "
+        "'/srv/job'", 3),
+    "a command's cwd outside the scenario's directory": (
+        BASE + "job: {command: [python, t.py], cwd: sub/../..}\n", "job.cwd",
+        "expected a directory inside the scenario file's, got 'sub/../..', which is outside it",
+        3),
+    "a collective time with a unit it cannot read": (
+        BASE + "collective: {kind: ring, timeout: 2 fortnights}\n", "collective.timeout",
+        "expected a duration such as '10ms'", 3),
     "duplicate key": (
         BASE + "seed: 1\nseed: 2\n", "seed", "duplicate key (first on line 3)", 4),
     "YAML syntax error": (
@@ -337,6 +412,70 @@ def test_ramp_moves_linearly_and_stops_at_its_target():
 def test_rate_ramp_needs_a_start():
     found = problems(BASE + "timeline:\n  - {at: 0s, ramp_link: {to: {rate: 1mbit}, over: 5s}}\n")
     assert found[0][0] == "timeline[0].ramp_link" and "needs from.rate" in found[0][1]
+
+
+# --- seeds --------------------------------------------------------------------------------------
+
+
+SEEDED = BASE + """seed: 5
+topology:
+  default: {loss: 1%}
+  links:
+    - {from: 0, to: 1, profile: {loss: 2%, seed: 99}}
+    - {from: 0, to: 2, profile: {delay: 10ms, rate: 10mbit}}
+"""
+
+
+def test_each_link_gets_its_own_seed_from_the_runs_and_its_profiles_wins():
+    scenario = load_scenario(SEEDED)
+    links = LinkState.of(scenario)
+    assert links.shaped(1, 0) == LinkProfile.parse(loss="1%", seed=derive_seed(5, 1, 0))
+    assert links.shaped(0, 3).seed == derive_seed(5, 0, 3) != links.shaped(3, 0).seed
+    assert links.shaped(0, 1).seed == 99  # the profile's own
+    assert links.shaped(0, 2).seed is None  # draws no random numbers: needs none
+    assert links.current(1, 0) == scenario.link_profile(1, 0) == LinkProfile.parse(loss="1%")
+    assert len(links.seeds()) == 11 and links.seeds()["0->1"] == 99 and "0->2" not in links.seeds()
+    # Another link's change, or another link in the file, leaves a link's seed as it was.
+    other = load_scenario(SEEDED.replace("loss: 2%", "loss: 30%") + "    - {from: 3, to: 2, "
+                          "profile: {duplicate: 1%}}\n")
+    assert LinkState.of(other).shaped(1, 0) == links.shaped(1, 0)
+    assert LinkState.of(load_scenario(SEEDED.replace("seed: 5", "seed: 6"))).shaped(1, 0).seed \
+        == derive_seed(6, 1, 0)
+    assert LinkState(scenario.links(), {}, 4).shaped(1, 0).seed is None  # no run seed
+
+
+@pytest.mark.parametrize("profile", [
+    {"loss": "1%"}, {"gilbert_elliott": {"p": "1%"}}, {"duplicate": "1%"}, {"corrupt": "1%"},
+    {"delay": "5ms", "reorder": "1%"}, {"delay": "5ms", "jitter": "1ms"},
+    {"slot": {"distribution": "normal", "delay": "2ms", "jitter": "1ms"}},
+])
+def test_what_draws_random_numbers_needs_a_seed(profile):
+    assert draws_random(LinkProfile.parse(profile))
+    assert not draws_random(LinkProfile.parse(delay="5ms", rate="1mbit", limit=10,
+                                              slot={"min_delay": "1ms"}))
+
+
+def test_a_samples_file_is_relative_to_the_scenario_file(tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch):
+    (tmp_path / "rtt.txt").write_text("\n".join(str(10 + k % 7) for k in range(100)))
+    path = tmp_path / "s.yaml"
+    path.write_text(BASE + "topology: {default: {distribution: {samples: rtt.txt, unit: ms}}}\n"
+                    "timeline:\n  - {at: 1s, set_link: {profile: {slot: {distribution: "
+                    "{samples: rtt.txt, unit: ms}}}}}\n")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    scenario = load_scenario(path)
+    assert scenario.link_profile(0, 1).distribution.samples == str(tmp_path / "rtt.txt")
+    change = scenario.timeline[0].set_link.profile
+    assert change.slot.distribution.samples == str(tmp_path / "rtt.txt")
+    copy = tmp_path / "run" / "scenario.yaml"  # a run directory's copy: relative to base_dir
+    copy.parent.mkdir()
+    copy.write_text(path.read_text())
+    assert load_scenario(copy, base_dir=tmp_path).link_profile(0, 1) == (
+        scenario.link_profile(0, 1))
+    with pytest.raises(ScenarioError, match=r"rtt\.txt"):
+        load_scenario(copy)  # relative to the copy's own directory, where there is none
 
 
 # --- workers, job, steps ------------------------------------------------------------------------
@@ -470,6 +609,14 @@ BAD = [
     ("security: {authenticate: 1}", "security.authenticate"),
     ("collective: {kind: ring, compressor: {kind: arc_topk, sketch: rows}}",
      "collective.compressor.sketch"),
+    ("job: {seed: 3}", "job.seed"),
+    ("topology: {default: {rate: 100mbps}}", "topology.default.rate"),
+    ("collective: {kind: lossy, rate: 10mbps}", "collective.rate"),
+    ("collective: {kind: ring, timeout: 0s}", "collective.timeout"),
+    ("collective: {kind: lossy, settle: -5ms}", "collective.settle"),
+    ("collective: moshpit", "collective"),
+    ("job: {command: python train.py}", "job.command"),
+    ("name: my run", "name"),
 ]
 GOOD = ["topology: {default: {delay: 0, loss: 5%, rate: 100mbit}}",
         "topology: {default: {delay: 1.5ms, jitter: 200us, loss: 0.05}}",
@@ -477,7 +624,11 @@ GOOD = ["topology: {default: {delay: 0, loss: 5%, rate: 100mbit}}",
         "security: {authenticate: auto}", "security: {authenticate: false}",
         "collective: {kind: ring, compressor: {kind: arc_topk, sketch: marginal, "
         "sketch_rank: 2, seed: 3}}",
-        "job: {model: char-lm, width: 160, layers: 4}"]
+        "job: {model: char-lm, width: 160, layers: 4}",
+        "collective: {kind: ring, timeout: 2s, rendezvous_timeout: 2}",
+        "collective: {kind: lossy, rate: 100mbit, settle: 5ms, deadline_floor: 10ms}",
+        "collective: {kind: lossy, settle: auto, rate: 2e8}",
+        "collective: {kind: moshpit, heartbeat: 500ms, expiry: null}"]
 
 
 @pytest.mark.parametrize(("text", "field"), BAD, ids=[field for _, field in BAD])
@@ -566,3 +717,91 @@ def test_find_scenario_takes_a_file_or_a_shipped_name(tmp_path):
     own.write_text("name: mine\n")
     assert find_scenario(own) == own  # a file that exists wins over a shipped name
     assert find_scenario("no-such-scenario") == Path("no-such-scenario")
+
+
+# --- what a newcomer hit ------------------------------------------------------------------------
+
+NULLABLE_BASE = ("topology: {default: {delay: 10ms, jitter: 1ms, distribution: pareto, loss: 1%, "
+                 "rate: 10mbit, limit: 50, seed: 3}}\n")
+
+
+@pytest.mark.parametrize("field", [info.alias or name for name, info
+                                   in LinkProfile.model_fields.items()])
+def test_null_in_a_link_change_resets_any_field_to_its_default(field: str):
+    """Documented: null resets a field. Each field, whatever validators it has; resetting
+    distribution with jitter, and jitter with its distribution, keeps the profile valid."""
+    companions = {"jitter": ", distribution: null", "delay": ", jitter: null, "
+                  "distribution: null"}.get(field, "")
+    scenario = load_scenario(NULLABLE_BASE + f"timeline: [{{at: 1s, set_link: {{profile: "
+                             f"{{{field}: null{companions}}}}}}}]\n")
+    state = LinkState.of(scenario)
+    state.apply(scenario.timeline[0])
+    default = LinkProfile.model_fields[field.replace("-", "_")].default
+    assert getattr(state.current(0, 1), field) == default
+
+
+def test_collective_times_take_a_unit_like_every_other_time_of_a_scenario():
+    given = load_scenario("collective: {kind: moshpit, timeout: 2s, heartbeat: 500ms, "
+                          "rendezvous_timeout: 60}\n").collective.options()
+    assert given == {"timeout": 2.0, "heartbeat": 0.5, "rendezvous_timeout": 60.0}
+    lossy = load_scenario("collective: {kind: lossy, rate: 100mbit, settle: 2ms}\n")
+    assert lossy.collective.options() == {"rate": 100e6, "settle": 0.002}
+
+
+def test_the_timeline_runs_and_is_checked_in_time_order_and_check_says_so(tmp_path: Path):
+    path = tmp_path / "late-kill.yaml"
+    path.write_text("collective: {kind: moshpit}\njob: {strategy: average}\ntimeline:\n"
+                    "  - {at: 20s, restart: 1}\n  - {at: 10s, kill: 1}\n  - {step: 3, kill: 2}\n"
+                    "  - {at: 5s, kill: 3}\n")
+    scenario = load_scenario(path)
+    assert run_order(scenario.timeline) == [3, 1, 2, 0]  # each clock in order, in its places
+    result = CliRunner().invoke(app, ["scenario", "check", str(path)])
+    assert result.exit_code == 0, result.output
+    assert ("note: timeline: runs in time and step order, not the file's: [3] at 5s, [1] at "
+            "10s, [2] step 3, [0] at 20s") in result.output
+
+
+def refusal(source: str | Path) -> ScenarioError:
+    with pytest.raises(ScenarioError) as caught:
+        load_scenario(source)
+    return caught.value
+
+
+def test_a_refused_field_is_neither_offered_nor_in_the_schema():
+    (problem,) = refusal("job: {sed: 3}\n").problems
+    assert "did you mean" not in problem.message and "seed" not in problem.message
+    assert "seed" not in json_schema()["$defs"]["TrainConfig"]["properties"]
+
+
+def test_a_binary_file_is_a_scenario_error(tmp_path: Path):
+    path = tmp_path / "photo.yaml"
+    path.write_bytes(bytes(range(256)))
+    (problem,) = refusal(path).problems
+    assert problem.message.startswith("not a text file (UTF-8): byte 0x80 at offset 128")
+
+
+def test_check_takes_shipped_names_and_says_what_a_command_job_lacks(tmp_path: Path):
+    runner = CliRunner()
+    result = runner.invoke(app, ["scenario", "check", "quickstart"])
+    assert result.exit_code == 0 and result.output.startswith("ok quickstart: quickstart:")
+    (tmp_path / "job").mkdir()
+    (tmp_path / "job" / "train.py").write_text("")
+    cases = {"cwd: nowhere": ("job.cwd", f"no directory {tmp_path / 'nowhere'}"),
+             "command: [no-such-program-here]": ("job.command[0]", "no program "
+                                                 "'no-such-program-here' on the workers' PATH"),
+             "command: [./run.sh]": ("job.command[0]", f"no program './run.sh' in {tmp_path}"),
+             "command: [python, train.py]": ("job.command[1]", f"no file train.py in {tmp_path}"),
+             "command: [python, train.py], cwd: job": None}
+    for job, expected in cases.items():
+        path = tmp_path / "s.yaml"
+        fields = job if job.startswith("command") else f"command: [python, t.py], {job}"
+        path.write_text(f"job: {{{fields}}}\n")
+        load_scenario(path)  # as a Compose worker reads it: the files are not looked for
+        result = runner.invoke(app, ["scenario", "check", "--json", str(path)])
+        (entry,) = json.loads(result.output)
+        if expected is None:
+            assert entry["ok"], entry
+            continue
+        assert result.exit_code == 2 and not entry["ok"], entry
+        (problem,) = entry["problems"]
+        assert problem["path"] == expected[0] and expected[1] in problem["message"], problem

@@ -30,6 +30,9 @@ MAX_BYTES = "capture: {{max_bytes: {}}}"
 LOSS = "topology: {{default: {{loss: {}}}}}"
 THRESHOLD = "job: {{micro_batches: 2, drop_compute: {{threshold: {}}}}}"
 WORKERS = "workers: {}"
+TIMEOUT = "collective: {{kind: ring, timeout: {}}}"
+SETTLE = "collective: {{kind: lossy, settle: {}}}"
+PACING = "collective: {{kind: lossy, rate: {}}}"
 
 # (field, value as written in YAML, taken): what the loader does, so what the schema must do.
 TABLE = [
@@ -41,9 +44,10 @@ TABLE = [
     *((AT, value, False) for value in ("-1s", "-1", "30 minutes")),
     *((OVER, value, True) for value in ("2s", "0.5", "1e-3")),
     *((OVER, value, False) for value in ("0s", "0", "0.0", "'0'", "-2s")),
-    *((RATE, value, True) for value in ("100mbit", "100MBit", "10MBPS", "1tbit", "1.5gbit")),
+    *((RATE, value, True) for value in ("100mbit", "100MBit", "1tbit", "1.5gbit")),
     *((RATE, value, False) for value in (
-        "100", "'100'", "0mbit", "0", "-1mbit", "100 mbits", "1tbps")),
+        "100", "'100'", "0mbit", "0", "-1mbit", "100 mbits", "1tbps", "10MBPS", "100mbps",
+        "1kbps", "8bps")),
     *((MAX_BYTES, value, True) for value in ("20MB", "1MiB", "1mib", "512kB", "1kB", "2GB")),
     *((MAX_BYTES, value, False) for value in ("5", "'5'", "5000", "0", "0MB", "-1MB", "1TB")),
     *((LOSS, value, True) for value in ("5%", "5 %", "0.05", "'0.05'", "100%", "0", "1")),
@@ -51,6 +55,12 @@ TABLE = [
     *((THRESHOLD, value, True) for value in ("10Ms", "0.01", "auto")),
     *((THRESHOLD, value, False) for value in ("-1ms", "never")),
     *((WORKERS, value, True) for value in ("4", "256", "{count: 3}")),
+    *((TIMEOUT, value, True) for value in ("2s", "500ms", "2", "'2'", "1.5")),
+    *((TIMEOUT, value, False) for value in ("0s", "0", "-1s", "2 parsecs", "null")),
+    *((SETTLE, value, True) for value in ("auto", "5ms", "0.005", "null")),
+    *((SETTLE, value, False) for value in ("soon", "0ms", "-5ms")),
+    *((PACING, value, True) for value in ("100mbit", "1e8", "null")),
+    *((PACING, value, False) for value in ("100mbps", "0mbit", "fast")),
     *((WORKERS, value, False) for value in (
         "257", "100000", "0", "'4'", "true", "2.5", "{count: 300}")),
 ]
@@ -106,7 +116,8 @@ def _parses(kind: str, text: str, unit_required: bool, positive: bool) -> bool:
 # any quantity, in any case, or none, or one no table has.
 _NUMBERS = st.from_regex(r"-?[0-9]{0,3}\.?[0-9]{0,3}([eE][-+]?[0-9]{1,2})?", fullmatch=True)
 _UNITS = st.sampled_from(sorted({unit for quantity in QUANTITIES.values()
-                                 for unit in quantity.units} | {"mbits", "tbps", "%%", "s%"}))
+                                 for unit in quantity.units}
+                                | {"mbits", "tbps", "%%", "s%", "bps", "kbps", "mbps", "gbps"}))
 _TEXTS = st.builds("".join, st.tuples(
     st.sampled_from(["", " "]), _NUMBERS, st.sampled_from(["", " "]),
     st.one_of(_UNITS, _UNITS.map(str.upper), _UNITS.map(str.title)), st.sampled_from(["", " "])))

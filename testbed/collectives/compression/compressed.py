@@ -28,6 +28,7 @@ from testbed.collectives.compression.exchange import Shift, all_gather, mesh_shi
 from testbed.collectives.compression.powersgd import PowerSGD
 from testbed.collectives.compression.sparsify import ARCTopK, RandK, TopK
 from testbed.collectives.registry import COMPRESSORS, compressor_kind
+from testbed.transport.staging import Staged
 
 
 class Call:
@@ -237,7 +238,8 @@ class Compressed(CollectiveBase):
 
     def allreduce(self, tensor: torch.Tensor, step: int) -> tuple[torch.Tensor, AllReduceStats]:
         started = time.monotonic()
-        flat = tensor.detach().reshape(-1).to(torch.float32)
+        staged = Staged(tensor)
+        flat = staged.host.to(torch.float32)
         cut = max(0, flat.numel() - self.dense_tail)
         body, tail = flat[:cut], flat[cut:]
         call = Call(self.inner, self.shift, step)
@@ -246,7 +248,7 @@ class Compressed(CollectiveBase):
             figures = {"payload_bytes": 4.0 * flat.numel(), "error": 0.0}
         else:
             mean_body, mean_tail, figures = self.compressor.reduce(call, body, tail, step)
-        result = torch.cat([mean_body.reshape(-1), mean_tail.reshape(-1)]).to(tensor.dtype)
+        result = torch.cat([mean_body.reshape(-1), mean_tail.reshape(-1)])
         sent, received = call.bytes()
         last = call.stats[-1] if call.stats else None
         extra = dict(last.extra) if last is not None else {}
@@ -264,7 +266,7 @@ class Compressed(CollectiveBase):
         stats = AllReduceStats(self.name, step, seconds=time.monotonic() - started,
                                bytes_sent=sent, bytes_received=received, coverage=coverage,
                                peers_missing=missing, extra=extra)
-        return result.view_as(tensor), stats
+        return staged.back(result), stats
 
     def close(self) -> None:
         try:

@@ -16,6 +16,7 @@ from testbed.collectives.lossy.sinks import SeededLoss, open_key
 from testbed.collectives.lossy.stats import LossyStats
 from testbed.collectives.lossy.waiting import Waiting
 from testbed.collectives.registry import LossyOptions, Missed
+from testbed.transport.staging import Staged
 from testbed.transport.tcp import Listener, StreamMesh
 from testbed.transport.udp import DatagramEndpoint, Sink
 from testbed.transport.wire import BUCKETS, Kind
@@ -138,21 +139,24 @@ class Lossy(CollectiveBase):
     def allreduce(self, tensor: torch.Tensor, step: int) -> tuple[torch.Tensor, LossyStats]:
         """The average of `tensor` over the workers, as this worker got it: where a broadcast
         chunk was missed, its own value stands in (coverage says how much of that there is)."""
-        flat = tensor.detach().reshape(-1)
-        result, stats = self._exchange(flat, flat, step, None)
-        return result.view_as(tensor), stats
+        staged = Staged(tensor)
+        result, stats = self._exchange(staged.host, staged.host, step, None)
+        return staged.back(result), stats
 
     def step(
         self, parameters: torch.Tensor, gradient: torch.Tensor, step: int, update: Update
     ) -> tuple[torch.Tensor, LossyStats]:
         """One sharded optimizer step on flat vectors: each owner averages its shard of
         `gradient`, calls `update(start, parameters[shard], averaged)` for its new parameters and
-        broadcasts them. Returns this worker's new parameter vector: stale where it missed a
-        broadcast chunk, which the next broadcast overwrites."""
+        broadcasts them. Returns this worker's new parameter vector (on the device of
+        `parameters`; `update` is given host tensors): stale where it missed a broadcast
+        chunk, which the next broadcast overwrites."""
         if parameters.shape != gradient.shape or parameters.dim() != 1:
             raise ValueError(f"step: needs flat parameters and gradient of one shape, got "
                              f"{tuple(parameters.shape)} and {tuple(gradient.shape)}")
-        return self._exchange(gradient.detach(), parameters.detach(), step, update)
+        staged = Staged(parameters)
+        result, stats = self._exchange(Staged(gradient).host, staged.host, step, update)
+        return staged.back(result), stats
 
     @property
     def mesh(self) -> StreamMesh | None:

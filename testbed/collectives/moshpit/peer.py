@@ -24,6 +24,7 @@ from testbed.collectives.moshpit.receiving import Receiver
 from testbed.collectives.moshpit.schedule import Schedule
 from testbed.collectives.moshpit.sending import Outbox
 from testbed.collectives.moshpit.stats import MoshpitStats, RoundStats
+from testbed.transport.staging import Staged
 from testbed.transport.tcp import Listener, Message
 from testbed.transport.tensors import codec_of, dtype_of
 from testbed.transport.wire import Kind
@@ -155,7 +156,8 @@ class Moshpit(CollectiveBase):
         schedule = Schedule(start, self.timeout, len(round_indices))
         # While the call lasts, a joiner is served the caller's own parameters (its input),
         # so the last call's result need not outlive the caller's use of it.
-        self._state = tensor.detach().reshape(-1)
+        staged = Staged(tensor)
+        self._state = staged.host
         work = self._state.clone()
         weight = ideal = 1.0 / self.world  # the share of the world's contributions in `work`
         rounds = []
@@ -166,7 +168,7 @@ class Moshpit(CollectiveBase):
         self._state = work
         now_sent, now_received = self._bytes()
         missing = sorted(set().union(*(r.missing for r in rounds)))
-        return work.view_as(tensor), MoshpitStats(
+        return staged.back(work), MoshpitStats(
             collective=self.name, step=step, seconds=time.monotonic() - start,
             bytes_sent=now_sent - sent, bytes_received=now_received - received,
             coverage=min(1.0, weight / ideal), peers_missing=tuple(missing),

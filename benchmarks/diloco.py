@@ -1,0 +1,406 @@
+"""DiLoCo benchmark: synchronous DDP against DiLoCo, Streaming DiLoCo and parameter averaging, on
+four workers training the char-level LM over three networks and several collectives.
+
+Methods (the job's strategy): `ddp` (strategy gradient: every step an all-reduce of the
+gradients), `diloco-h10` and `diloco-h50` (DiLoCo, H = 10 and 50), `streaming` (Streaming
+DiLoCo: H = 50, five fragments, the all-reduces overlapped with the inner steps, outer gradients
+in int4) and `average` (local steps, the parameters averaged every 10 steps), all with the same
+inner optimizer (AdamW) and data. Networks: `clean` (unshaped), `100mbit-20ms` and
+`10mbit-50ms-1%` on every link (a delay needs sch_netem: where the kernel has none, run the
+benchmark in the UML sandbox, `python -m netem.sandbox run -- .venv/bin/python -m
+benchmarks.diloco`; here such cells are recorded as skipped). Collectives: gloo, the ring and
+lossy for every method, and Moshpit for `average` and DiLoCo. Every cell is one `ClusterRun`
+(namespaces) per seed; the figures: held-out perplexity after the last step (equal inner
+steps), bytes each worker sent, the wall-clock from the start of training until the workers'
+mean held-out perplexity first reached DDP's final one (same network, collective and seed;
+Moshpit's cells against the ring's DDP), and the longest wait of an inner step for an outer
+all-reduce. The issue's targets are checked from the run's own numbers. Writes
+benchmarks/results/diloco.md after every cell.
+
+    .venv/bin/python -m benchmarks.diloco [--quick] [--steps N] [--seeds 11,12,..]
+        [--networks N,..] [--methods M,..] [--collectives C,..] [--timeout S] [--out PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import math
+import os
+import statistics
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from benchmarks.report import Run, partial
+from benchmarks.scenario_runs import fmt, run_scenario, status_text
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results" / "diloco.md"
+WORLD = 4
+SEEDS = (11, 12, 13)
+STEPS, QUICK_STEPS = 500, 60
+EVAL_EVERY, QUICK_EVAL_EVERY = 25, 20  # held-out evaluations: the curve the wall-clock reads
+TIMEOUT, QUICK_TIMEOUT = 1800.0, 300.0  # seconds per run, start-up included
+JOB = {"model": "char-lm", "batch": 32, "optimizer": {"adamw": {"lr": 3.0e-3}},
+       "eval_samples": 512}
+NETWORKS: dict[str, dict[str, str]] = {
+    "clean": {},
+    "100mbit-20ms": {"rate": "100mbit", "delay": "20ms"},
+    "10mbit-50ms-1%": {"rate": "10mbit", "delay": "50ms", "loss": "1%"},
+}
+SLOW_NETWORK = "10mbit-50ms-1%"  # where DiLoCo H=50 must beat DDP's wall-clock three times
+METHODS: dict[str, dict[str, Any]] = {
+    "ddp": {"strategy": "gradient"},
+    "diloco-h10": {"strategy": "diloco", "inner_steps": 10},
+    "diloco-h50": {"strategy": "diloco", "inner_steps": 50},
+    "streaming": {"strategy": "diloco", "inner_steps": 50,
+                  "streaming": {"fragments": 5, "overlap": True}},
+    "average": {"strategy": "average", "average_every": 10},
+}
+COMPRESSOR = {"streaming": "int4"}  # the paper's 4-bit outer gradients
+COLLECTIVES = ("gloo", "ring", "lossy", "moshpit")
+MOSHPIT_METHODS = ("average", "diloco-h10", "diloco-h50")
+# Moshpit leaves out a peer not there in time: a call on the slow network needs longer than
+# its 5 s default.
+COLLECTIVE_OPTIONS = {"moshpit": {"timeout": 60.0}}
+# The issue's targets.
+WITHIN = 3.0  # percent: DiLoCo H=50's perplexity against DDP's at equal steps
+FEWER_BYTES = 40.0  # times fewer bytes than DDP
+WALL_SHARE = 1 / 3  # of DDP's wall-clock on the slow network
+
+
+@dataclass(frozen=True)
+class Cell:
+    network: str
+    method: str
+    collective: str
+    seed: int
+
+    @property
+    def name(self) -> str:
+        network = self.network.replace("%", "pct")
+        return f"{self.method}-{self.collective}-{network}-seed{self.seed}"
+
+    def scenario(self, steps: int, eval_every: int) -> dict[str, Any]:
+        """The scenario, as the YAML the runner loads."""
+        job = {**JOB, **METHODS[self.method], "steps": steps, "eval_every": eval_every}
+        collective: dict[str, Any] = {"kind": self.collective,
+                                      **COLLECTIVE_OPTIONS.get(self.collective, {})}
+        if self.method in COMPRESSOR:
+            collective["compressor"] = {"kind": COMPRESSOR[self.method]}
+        profile = NETWORKS[self.network]
+        return {"name": f"diloco-{self.name}", "seed": self.seed, "workers": WORLD,
+                "topology": {"default": profile} if profile else {}, "job": job,
+                "collective": collective, "metrics": {"drift_every": 0}}
+
+
+@dataclass
+class Outcome:
+    cell: Cell
+    status: str  # ok | failed | timeout | skipped
+    note: str = ""
+    perplexity: float = math.nan  # held-out after the last step, mean over workers
+    bytes_sent: float = math.nan  # per worker, the whole run (NaN: the collective counts none)
+    training_seconds: float = math.nan  # from the start of training to the last step
+    outer_wait: float = math.nan  # the longest wait of a step for outer all-reduces
+    # (seconds since the start of training, mean held-out perplexity) at each evaluation
+    curve: list[tuple[float, float]] = field(default_factory=list)
+
+
+def run_cell(cell: Cell, steps: int, eval_every: int, timeout: float,
+             workdir: Path) -> Outcome:
+    """Run the cell's scenario within `timeout` and read its figures from the run."""
+    import numpy as np
+
+    ran = run_scenario(cell.scenario(steps, eval_every), cell.name, workdir, timeout)
+    outcome = Outcome(cell, ran.status, ran.note)
+    run = ran.run
+    if run is None or not run.steps:
+        return outcome
+    start = run.training_t if run.training_t is not None else min(s.t for s in run.steps)
+    sent = float(np.nansum(run.column("bytes_sent", 0.0))) / WORLD
+    outcome.bytes_sent = sent if sent > 0 else math.nan  # gloo's stats count no bytes
+    outcome.training_seconds = max(s.t for s in run.steps) - start
+    waits = run.column("outer_wait_seconds")
+    outcome.outer_wait = float(np.nanmax(waits)) if np.isfinite(waits).any() else math.nan
+    evaluated: dict[int, list[tuple[float, float]]] = {}
+    for step in run.steps:
+        if "perplexity" in step.evaluation:
+            evaluated.setdefault(step.step, []).append((step.t, step.evaluation["perplexity"]))
+    outcome.curve = [(max(t for t, _ in points) - start,
+                      statistics.fmean(p for _, p in points))
+                     for _, points in sorted(evaluated.items()) if len(points) == WORLD]
+    if ran.status == "ok" and len(ran.evaluations) == WORLD:
+        outcome.perplexity = statistics.fmean(e["perplexity"] for e in ran.evaluations)
+    return outcome
+
+
+def plan(networks: list[str], methods: list[str], collectives: list[str],
+         seeds: list[int]) -> list[Cell]:
+    """Per network and seed, DDP first (the reference of the others), then the methods, each
+    over the collectives it runs on."""
+    ordered = sorted(methods, key=lambda method: method != "ddp")
+    return [Cell(network, method, collective, seed)
+            for network in networks for seed in seeds for method in ordered
+            for collective in collectives
+            if collective != "moshpit" or method in MOSHPIT_METHODS]
+
+
+# -- the report ------------------------------------------------------------------------------
+
+
+def reference(outcome: Outcome, outcomes: list[Outcome]) -> Outcome | None:
+    """DDP of the same network and seed over the same collective (Moshpit, which has no DDP
+    cell: over the ring, which counts its bytes as Moshpit does)."""
+    collective = "ring" if outcome.cell.collective == "moshpit" else outcome.cell.collective
+    return next((o for o in outcomes if o.cell == Cell(outcome.cell.network, "ddp", collective,
+                                                       outcome.cell.seed)
+                 and o.status == "ok"), None)
+
+
+def time_to_reach(outcome: Outcome, target: float) -> float:
+    """Seconds of training until the mean held-out perplexity first reached `target`."""
+    return next((seconds for seconds, perplexity in outcome.curve if perplexity <= target),
+                math.nan)
+
+
+@dataclass
+class Versus:
+    """One cell against its DDP reference."""
+
+    perplexity_change: float  # percent
+    fewer_bytes: float  # DDP's bytes over this cell's (NaN where the collective counts none)
+    time_share: float  # seconds to DDP's final perplexity over DDP's training seconds
+
+
+def versus(outcome: Outcome, outcomes: list[Outcome]) -> Versus | None:
+    ddp = reference(outcome, outcomes)
+    if ddp is None or outcome.status != "ok":
+        return None
+    return Versus(100 * (outcome.perplexity / ddp.perplexity - 1),
+                  ddp.bytes_sent / outcome.bytes_sent,
+                  time_to_reach(outcome, ddp.perplexity) / ddp.training_seconds)
+
+
+def mean_spread(values: list[float], digits: int = 3) -> str:
+    """`mean ± standard deviation` over the seeds (no spread with one), '-' for none."""
+    values = [v for v in values if math.isfinite(v)]
+    if not values:
+        return "-"
+    spread = f" ± {fmt(statistics.stdev(values), 2)}" if len(values) > 1 else ""
+    return f"{fmt(statistics.fmean(values), digits)}{spread}"
+
+
+def groups(outcomes: list[Outcome]) -> dict[tuple[str, str, str], list[Outcome]]:
+    """The outcomes by (network, method, collective), over the seeds, in the order run."""
+    grouped: dict[tuple[str, str, str], list[Outcome]] = {}
+    for o in outcomes:
+        grouped.setdefault((o.cell.network, o.cell.method, o.cell.collective), []).append(o)
+    return grouped
+
+
+def table(outcomes: list[Outcome], network: str) -> list[str]:
+    rows = ["| method | collective | seeds ok | perplexity | vs DDP | MB sent / worker | "
+            "DDP's bytes / these | time to DDP's final perplexity (share of DDP's) | "
+            "training s | longest outer wait s | status |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for (net, method, collective), cells in groups(outcomes).items():
+        if net != network:
+            continue
+        done = [o for o in cells if o.status == "ok"]
+        against = [v for o in done if (v := versus(o, outcomes)) is not None]
+        changes = [v.perplexity_change for v in against]
+        statuses = sorted({status_text(o) for o in cells if o.status != "ok"})
+        rows.append(
+            f"| {method} | {collective} | {len(done)}/{len(cells)} | "
+            f"{mean_spread([o.perplexity for o in done], 4)} | "
+            f"{mean_spread(changes, 2) + '%' if changes and method != 'ddp' else '-'} | "
+            f"{mean_spread([o.bytes_sent / 1e6 for o in done])} | "
+            f"{mean_spread([v.fewer_bytes for v in against]) if method != 'ddp' else '-'} | "
+            f"{mean_spread([v.time_share for v in against], 2)} | "
+            f"{mean_spread([o.training_seconds for o in done])} | "
+            f"{mean_spread([o.outer_wait for o in done], 2)} | "
+            f"{'; '.join(statuses) or 'ok'} |")
+    return rows
+
+
+def targets(outcomes: list[Outcome]) -> list[str]:
+    """The issue's targets, each met or missed (or not measured) from this run's numbers."""
+    said = []
+    grouped = groups(outcomes)
+    for (network, method, collective), cells in grouped.items():
+        if method != "diloco-h50":
+            continue
+        against = [v for o in cells if (v := versus(o, outcomes)) is not None]
+        if not against:
+            said.append(f"- DiLoCo H=50 over {collective}, {network}: not measured (no "
+                        "completed pair with DDP).")
+            continue
+        change = statistics.fmean(v.perplexity_change for v in against)
+        fewer = statistics.fmean(v.fewer_bytes for v in against)
+        if math.isnan(fewer):
+            said.append(f"- DiLoCo H=50 over {collective}, {network}: perplexity "
+                        f"{change:+.2f}% against DDP at equal steps ({len(against)} seeds), "
+                        f"{'within' if abs(change) <= WITHIN else 'outside'} {WITHIN:g}%; "
+                        f"bytes not counted ({collective}'s stats carry none): the byte "
+                        "target is read on the other collectives.")
+        else:
+            met = abs(change) <= WITHIN and fewer >= FEWER_BYTES
+            said.append(f"- DiLoCo H=50 over {collective}, {network}: perplexity "
+                        f"{change:+.2f}% against DDP at equal steps with {fewer:.1f}x fewer "
+                        f"bytes ({len(against)} seeds): **{'met' if met else 'missed'}** "
+                        f"(target: within {WITHIN:g}% with at least {FEWER_BYTES:g}x fewer "
+                        "bytes)" + ("" if met else f"; {missed_because(change, fewer)}") + ".")
+        if network == SLOW_NETWORK:
+            shares = [v.time_share for v in against]
+            share = statistics.fmean(shares)
+            reached = all(math.isfinite(s) for s in shares)
+            met = reached and share <= WALL_SHARE
+            said.append(f"- DiLoCo H=50 over {collective} on {network}: DDP's final "
+                        f"perplexity reached in "
+                        + (f"{share:.2f} of DDP's wall-clock" if reached else
+                           "no run's time (some seed never reached it)")
+                        + f": **{'met' if met else 'missed'}** (target: at most a third).")
+    for (network, method, collective), cells in grouped.items():
+        if method != "streaming":
+            continue
+        waits = [o.outer_wait for o in cells if o.status == "ok" and math.isfinite(o.outer_wait)]
+        if waits:
+            said.append(f"- Streaming DiLoCo (overlap) over {collective}, {network}: the "
+                        f"longest wait of an inner step for an outer all-reduce "
+                        f"{max(waits):.3f} s over {len(waits)} runs: "
+                        f"**{'met' if max(waits) == 0 else 'missed'}** (target: never waits).")
+    return said or ["- No target could be measured in this run."]
+
+
+def missed_because(change: float, fewer: float) -> str:
+    causes = []
+    if abs(change) > WITHIN:
+        causes.append(f"the perplexity is {abs(change) - WITHIN:.2f} points outside the band")
+    if fewer < FEWER_BYTES:
+        causes.append(f"{fewer:.1f}x fewer bytes (an outer all-reduce every 50 inner steps "
+                      "sends about what DDP sends every step: about 50x at most)")
+    return "; ".join(causes)
+
+
+def torchft_note() -> str:
+    """Whether the outside reference (torchft's DiLoCo) could run here."""
+    installed = importlib.util.find_spec("torchft") is not None
+    return ("The outside reference, the same DiLoCo run through torchft's `DiLoCo` as a command "
+            "job, is not part of this run: "
+            + ("torchft is installed, but the command job around its Manager and lighthouse is "
+               "not written yet." if installed else
+               "torchft (PyPI `torchft`) is not installed in this environment: its Manager "
+               "needs its lighthouse server beside the job, and installing it into the "
+               "project's environment would bring its own torch requirement."))
+
+
+def report(outcomes: list[Outcome], run: Run, steps: int, eval_every: int, note: str = "",
+           networks: list[str] | None = None) -> str:
+    networks = networks or list(NETWORKS)
+    lines = [
+        *run.header("DiLoCo and Streaming DiLoCo against synchronous DDP", note),
+        f"How: every cell is one `ClusterRun` (backend auto) of a scenario written by the "
+        f"benchmark: {WORLD} workers, each a process in its own network namespace, every link "
+        "shaped alike. The job is the same in every cell but for its strategy: `char-lm` "
+        f"(2-layer transformer, context 64, stdlib corpus), batch {JOB['batch']} per worker, "
+        f"AdamW lr {JOB['optimizer']['adamw']['lr']:g} (DiLoCo's inner optimizer; the outer "
+        f"one SGD lr 0.7, momentum 0.9, Nesterov), {steps} steps, held-out evaluation every "
+        f"{eval_every} steps ({JOB['eval_samples']} windows). Methods: " + "; ".join(
+            f"`{name}` {spec}" for name, spec in METHODS.items())
+        + f"; `streaming` with compressor {COMPRESSOR['streaming']}.",
+        "",
+        "Columns, over the seeds (mean ± standard deviation): `perplexity` after the last step "
+        "(mean of the four workers: equal inner steps for every method), `vs DDP` its change "
+        "against DDP over the same collective, network and seed (Moshpit's cells: against "
+        "the ring's DDP), `MB sent / worker` what each worker's collective sent in the whole run "
+        "(`-` for gloo, whose stats count no bytes), "
+        "`DDP's bytes / these` how many times fewer that is, `time to DDP's final "
+        "perplexity` the training wall-clock until the workers' mean held-out perplexity "
+        "first reached DDP's final one, as a share of DDP's own training time (read at the "
+        "evaluations: `-` where it never did), `training s` from the start of training to "
+        "the last step, `longest outer wait s` the longest an inner step waited for outer "
+        "all-reduces (DiLoCo; the wait for what is in flight at the last step is not an "
+        "inner step's).",
+        "",
+    ]
+    for network in networks:
+        profile = NETWORKS[network]
+        shaped = ", ".join(f"{k} {v}" for k, v in profile.items()) or "unshaped"
+        lines += [f"## {network} ({shaped})", "", *table(outcomes, network), ""]
+    lines += ["## Targets (checked from this run's numbers)", "", *targets(outcomes), "",
+              torchft_note(), ""]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.diloco",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true",
+                        help=f"{QUICK_STEPS} steps, the first seed, network clean only")
+    parser.add_argument("--steps", type=int, help=f"steps per cell (default {STEPS})")
+    parser.add_argument("--seeds", default=",".join(map(str, SEEDS)),
+                        help="comma-separated scenario seeds (default: %(default)s)")
+    parser.add_argument("--networks", default=",".join(NETWORKS),
+                        help="comma-separated, of %(default)s")
+    parser.add_argument("--methods", default=",".join(METHODS),
+                        help="comma-separated, of %(default)s")
+    parser.add_argument("--collectives", default=",".join(COLLECTIVES),
+                        help="comma-separated, of %(default)s")
+    parser.add_argument("--timeout", type=float, help=f"seconds per run (default {TIMEOUT:.0f})")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    chosen = {}
+    for name, allowed in (("networks", NETWORKS), ("methods", METHODS),
+                          ("collectives", COLLECTIVES)):
+        chosen[name] = [x.strip() for x in getattr(args, name).split(",") if x.strip()]
+        unknown = sorted(set(chosen[name]) - set(allowed))
+        if unknown or not chosen[name]:
+            parser.error(f"--{name}: expected some of {', '.join(allowed)}, got "
+                         f"{getattr(args, name)!r}")
+    try:
+        seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
+    except ValueError:
+        seeds = []
+    if not seeds:
+        parser.error(f"--seeds: expected comma-separated integers, got {args.seeds!r}")
+    if args.quick:
+        seeds, chosen["networks"] = seeds[:1], ["clean"]
+    if os.geteuid() != 0:
+        raise SystemExit("needs root: network namespaces and shaping")
+    from netem.capabilities import netem_available
+
+    steps = args.steps or (QUICK_STEPS if args.quick else STEPS)
+    eval_every = QUICK_EVAL_EVERY if args.quick else EVAL_EVERY
+    timeout = args.timeout or (QUICK_TIMEOUT if args.quick else TIMEOUT)
+    shapes_delay = netem_available()
+    run = Run.start("benchmarks.diloco")
+    cells = plan(chosen["networks"], chosen["methods"], chosen["collectives"], seeds)
+    note = "Quick run: one seed, few steps, one network." if args.quick else ""
+    outcomes: list[Outcome] = []
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="tb-diloco-") as tmp:
+        for number, cell in enumerate(cells, start=1):
+            if "delay" in NETWORKS[cell.network] and not shapes_delay:
+                outcome = Outcome(cell, "skipped", "this kernel has no sch_netem for the delay: "
+                                  "run in the UML sandbox")
+            else:
+                outcome = run_cell(cell, steps, eval_every, timeout, Path(tmp))
+            outcomes.append(outcome)
+            print(f"{run.progress(number, len(cells))} {cell.name}: {status_text(outcome)}, "
+                  f"perplexity {fmt(outcome.perplexity, 4)}, "
+                  f"{fmt(outcome.bytes_sent / 1e6)} MB sent per worker",
+                  file=sys.stderr, flush=True)
+            args.out.write_text(report(outcomes, run, steps, eval_every,
+                                       " ".join(filter(None, [note, partial(number,
+                                                                            len(cells))])),
+                                       chosen["networks"]))
+    print(report(outcomes, run, steps, eval_every, note, chosen["networks"]))
+    print(f"wrote {args.out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
