@@ -21,8 +21,10 @@ PERCENTILES = (10, 50, 90, 99)  # of the one-way delay
 STALL_MARGIN = 0.001
 # Delay and jitter are judged on the probes no stall held up, when there are at least this many
 # of them (or half the arrivals of a shorter train): the relative standard error of the jitter
-# is then at most 1/sqrt(2 * 500) = 3.2%, a sixth of its tolerance.
-MIN_TIMED = 500
+# is then at most 1/sqrt(2 * 300) = 4.1%, under a fifth of its tolerance (a correct link fails
+# it by chance with probability about 1e-6). In the guest with a core kept busy, stalls held up
+# 43-62% of a train's 2000 probes (benchmarks/results/probe-stalls.md).
+MIN_TIMED = 300
 
 
 # ---------------------------------------------------------------------------------------------

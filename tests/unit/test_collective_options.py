@@ -8,8 +8,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from loopback import free_ports
 from pydantic import ValidationError
-from test_collectives_hook import free_ports
 
 from testbed import collectives
 from testbed.collectives import registry

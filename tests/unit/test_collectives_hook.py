@@ -4,13 +4,11 @@ float rounding through the lossy all-reduce when nothing is lost."""
 
 from __future__ import annotations
 
-import multiprocessing
 import socket
-from collections.abc import Callable
 
 import pytest
 import torch
-from live import collect
+from loopback import free_ports, spawn
 
 from testbed.collectives import create
 
@@ -18,16 +16,6 @@ WORLD = 2
 # A generous fixed deadline: nothing is lost on loopback, so it costs nothing, and a busy host
 # cannot make a learned one cut off chunks.
 OPTIONS = {"ring": {"timeout": 30}, "lossy": {"deadline_initial": 5.0, "deadline_floor": 5.0}}
-
-
-def free_ports(count: int, kind: socket.SocketKind = socket.SOCK_STREAM) -> list[int]:
-    sockets = [socket.socket(socket.AF_INET, kind) for _ in range(count)]
-    for sock in sockets:
-        sock.bind(("127.0.0.1", 0))
-    ports = [sock.getsockname()[1] for sock in sockets]
-    for sock in sockets:
-        sock.close()
-    return ports
 
 
 def worker(rank: int, ports: list[int], choice: tuple[str, str | None, dict] | None,
@@ -67,27 +55,6 @@ def worker(rank: int, ports: list[int], choice: tuple[str, str | None, dict] | N
         dist.destroy_process_group()
 
 
-def spawn(target: Callable[..., None], *args: object, wait: float = 60.0) -> list[object]:
-    """Run `target(rank, *args, results)` in WORLD fresh processes; what each put in `results`.
-    A worker that dies fails the test at once, not after the whole wait."""
-    context = multiprocessing.get_context("spawn")
-    results = context.Queue()
-    processes = [context.Process(target=target, args=(rank, *args, results))
-                 for rank in range(WORLD)]
-    for process in processes:
-        process.start()
-    try:
-        collected = collect(results, processes, wait)
-        for process in processes:
-            process.join(30)
-            assert process.exitcode == 0, f"worker exited with {process.exitcode}"
-    finally:
-        for process in processes:
-            if process.is_alive():
-                process.kill()
-    return collected
-
-
 def gradients(kind: str | None, compressor: str | None = None,
               **options: object) -> dict[int, list[torch.Tensor]]:
     """Every rank's gradients through collective `kind` (compressed if given; plain DDP if
@@ -100,7 +67,7 @@ def gradients(kind: str | None, compressor: str | None = None,
         ports += free_ports(WORLD)
     choice = None if kind is None else (kind, compressor, options)
     return {rank: [torch.from_numpy(array) for array in arrays]
-            for rank, arrays in spawn(worker, ports, choice)}
+            for rank, arrays in spawn(worker, WORLD, ports, choice)}
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +110,7 @@ def gloo_and_ring_worker(rank: int, ports: list[int], results) -> None:
 
 
 def test_gloo_equals_ring_and_the_true_mean():
-    collected = spawn(gloo_and_ring_worker, free_ports(WORLD + 1))
+    collected = spawn(gloo_and_ring_worker, WORLD, free_ports(WORLD + 1))
     expected = torch.stack([
         torch.randn(50_001, generator=torch.Generator().manual_seed(r)) for r in range(WORLD)
     ]).mean(0)
@@ -224,7 +191,7 @@ def overlap_worker(rank: int, ports: list[int], results) -> None:
 def test_the_hook_overlaps_buckets_and_gives_ddps_gradients():
     """The asynchronous hook: DDP gets the next bucket's hook call while the previous bucket's
     all-reduce is still running, and the gradients are the mean of the ranks' own."""
-    collected = dict(spawn(overlap_worker, free_ports(1) + free_ports(WORLD)))
+    collected = dict(spawn(overlap_worker, WORLD, free_ports(1) + free_ports(WORLD)))
     assert all(calls >= 3 for calls in collected.values()), collected
 
 

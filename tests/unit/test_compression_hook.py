@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_collectives_hook import WORLD, free_ports, gradients, spawn
+from loopback import free_ports, spawn
+from test_collectives_hook import WORLD, gradients
 
 from testbed.collectives import create
 from testbed.collectives.base import AllReduceStats
@@ -58,7 +59,7 @@ def gloo_worker(rank: int, ports: list[int], results) -> None:
 
 
 def test_every_compressor_works_over_gloo():
-    collected = dict(spawn(gloo_worker, free_ports(1)))
+    collected = dict(spawn(gloo_worker, WORLD, free_ports(1)))
     inputs = [torch.randn(20_001, generator=torch.Generator().manual_seed(r))
               for r in range(WORLD)]
     expected = torch.stack(inputs).mean(0)
