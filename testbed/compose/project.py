@@ -73,10 +73,21 @@ def worker_addresses(count: int, subnet: str = SUBNET) -> list[str]:
 
 
 def check_scenario(scenario: Scenario) -> None:
-    """What Compose cannot do: worker 0 serves the run's store, so it must not be preempted."""
+    """What Compose cannot do: worker 0 serves the run's store, so it must not be preempted; a
+    worker has only what is inside the scenario's directory (mounted at /job), so a command
+    job's `cwd` is a directory inside it."""
     if 0 in preempting(scenario):
         raise ComposeError("timeline: worker 0 is killed or restarted; under Compose it serves "
                            "the run's store and must stay up (preempt another worker)")
+    cwd = scenario.command.cwd if scenario.command is not None else None
+    if cwd is not None and posixpath.isabs(cwd):
+        raise ComposeError(f"job.cwd: expected a directory relative to the scenario file's, got "
+                           f"the absolute path {cwd!r}: a Compose worker has only what is inside "
+                           "the scenario's directory")
+    if cwd is not None and posixpath.normpath(cwd).split("/")[0] == "..":
+        raise ComposeError(f"job.cwd: expected a directory inside the scenario file's, got "
+                           f"{cwd!r}, which is outside it: a Compose worker has only what is "
+                           "inside the scenario's directory")
 
 
 def _fetch(url: str) -> str:

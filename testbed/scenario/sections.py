@@ -5,7 +5,6 @@ training job is `testbed.train.TrainConfig` itself; a command of the user's own 
 from __future__ import annotations
 
 import json
-import posixpath
 import shlex
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
@@ -16,7 +15,6 @@ from pydantic import (
     Field,
     Tag,
     ValidationInfo,
-    field_validator,
     model_validator,
 )
 
@@ -232,23 +230,6 @@ class CommandJob(Section):
                               "interface, with sockets only (NCCL_SOCKET_IFNAME; peer-to-peer, "
                               "shared memory, InfiniBand and NVLink SHARP off), so its traffic "
                               "crosses the scenario's links. Null: whenever gpus is given.")
-
-    @field_validator("cwd")
-    @classmethod
-    def _inside_the_scenario_directory(cls, cwd: str | None) -> str | None:
-        """Every placement has the scenario's directory (a Compose worker no more than the
-        job's part of it, mounted at /job), so `cwd` is a directory inside it."""
-        if cwd is None:
-            return None
-        if posixpath.isabs(cwd):
-            raise ValueError(f"expected a directory relative to the scenario file's, got the "
-                             f"absolute path {cwd!r}: a Compose worker has only what is inside "
-                             "the scenario's directory")
-        if posixpath.normpath(cwd).split("/")[0] == "..":
-            raise ValueError(f"expected a directory inside the scenario file's, got {cwd!r}, "
-                             "which is outside it: a Compose worker has only what is inside "
-                             "the scenario's directory")
-        return cwd
 
     def worker_gpus(self, rank: int) -> list[int] | None:
         """The indexes of worker `rank`'s GPUs; None: no choice made (every GPU it finds)."""

@@ -47,7 +47,9 @@ def test_sixteen_workers_every_pair_has_its_rule_and_changes_land():
         assert len(set(lab_namespaces(network.prefix))) == WORKERS + 1
         for dst in range(WORKERS):
             rules = netem.show(network.switch_port(dst), netns=network.lab.switch)
-            peers = {network.hosts[s] for s in range(WORKERS) if s != dst}
+            # Each peer's rule holds its IPv4 and its IPv6 address (docs/shaping.md).
+            peers = {address for s in range(WORKERS) if s != dst
+                     for address in network.lab.addresses(s)}
             assert set(rules) == {None, network.control_address} | peers
             assert rules[network.control_address] == LinkProfile()  # the run's own: unshaped
         assert kernel_table(network) == every_link("1%")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -158,6 +159,21 @@ def test_a_scenario_preempting_worker_0_is_refused_naming_the_timeline(tmp_path:
     path.write_text("name: s\nworkers: 3\njob: {model: mlp, steps: 10}\n"
                     "timeline:\n  - {step: 5, kill: 0}\n")
     with pytest.raises(ComposeError, match="timeline: worker 0"):
+        write_project(path, tmp_path / "out")
+
+
+@pytest.mark.parametrize(("cwd", "words"), [
+    ("/srv/job", "job.cwd: expected a directory relative to the scenario file's, got the "
+                 "absolute path '/srv/job'"),
+    ("sub/../..", "job.cwd: expected a directory inside the scenario file's, got 'sub/../..'"),
+])
+def test_a_command_jobs_cwd_outside_the_scenarios_directory_is_refused(tmp_path: Path, cwd,
+                                                                      words):
+    """A Compose worker has only the scenario's directory; a run in namespaces takes any cwd."""
+    path = tmp_path / "s.yaml"
+    path.write_text(f"name: s\nworkers: 2\njob: {{command: [python, t.py], cwd: '{cwd}'}}\n")
+    load_scenario(path)
+    with pytest.raises(ComposeError, match=re.escape(words)):
         write_project(path, tmp_path / "out")
 
 
