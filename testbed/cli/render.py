@@ -181,7 +181,7 @@ def summary_table(cluster: ClusterRun, result: RunResult) -> Table:
                             "-" if w.exit_code is None else str(w.exit_code),
                             number(w.seconds, 3), str(w.restarts))
         return summary
-    for column in ("worker", "status", "steps", "final loss", "evaluation"):
+    for column in ("worker", "status", "steps", "final training loss", "evaluation"):
         summary.add_column(column)
     for w in result.workers:
         evaluation = ", ".join(f"{k} {v:.4g}" for k, v in sorted(w.evaluation.items()))
