@@ -369,10 +369,26 @@ def test_chunks_after_the_step_closed_are_late(pair):
 
 def test_keys_never_collected_expire_as_late(pair):
     sender, receiver = pair
-    sender.send_tensor(1, Kind.PARAMETER, 0, 0, torch.ones(3))  # nobody collects this one
+    sender.send_tensor(1, Kind.GRADIENT, 0, 0, torch.ones(3))
+    receiver.collect(Kind.GRADIENT, 0, 0, {0: 1}, time.monotonic() + WAIT)
+    sender.send_tensor(1, Kind.PARAMETER, 1, 0, torch.ones(3))  # nobody collects this one
     sender.send_tensor(1, Kind.GRADIENT, 20, 0, torch.ones(3))
     receiver.collect(Kind.GRADIENT, 20, 0, {0: 1}, time.monotonic() + WAIT)
-    assert receiver.counters()[0].datagrams_late == 1  # step 0 fell out of the 8-step history
+    assert receiver.counters()[0].datagrams_late == 1  # step 1 fell out of the 8-step history
+
+
+def test_what_came_for_steps_before_the_first_call_is_not_late(pair):
+    """A restarted worker's peers sent to its address before it rejoined: those datagrams are
+    of steps before its first call, not late ones of its own calls."""
+    sender, receiver = pair
+    sender.send_tensor(1, Kind.GRADIENT, 3, 0, torch.ones(3))  # before the receiver took part
+    sender.send_tensor(1, Kind.GRADIENT, 20, 0, torch.ones(3))
+    receiver.collect(Kind.GRADIENT, 20, 0, {0: 1}, time.monotonic() + WAIT)
+    sender.send_tensor(1, Kind.GRADIENT, 4, 0, torch.ones(3))  # still from before it
+    sender.send_tensor(1, Kind.GRADIENT, 30, 0, torch.ones(3))
+    receiver.collect(Kind.GRADIENT, 30, 0, {0: 1}, time.monotonic() + WAIT)
+    counters = receiver.counters()[0]
+    assert counters.datagrams_late == 0 and counters.datagrams_received == 4
 
 
 def test_losses_are_sequence_gaps(raw):

@@ -135,6 +135,7 @@ class DatagramEndpoint:
         self._progress = Progress()  # where each sender got to
         self._closed: set[Key] = set()
         self._closed_below = 0  # every step below this is closed
+        self._joined_at: int | None = None  # first key's step; earlier: sent before it, not late
         self._late: Counter[tuple[int, int]] = Counter()  # per (kind, sender)
         for peer, peer_address in (peers or {}).items():
             self.add_peer(peer, peer_address)
@@ -292,6 +293,7 @@ class DatagramEndpoint:
                 raise ValueError(f"open: sender {sender}'s sink takes {count} chunks, "
                                  f"{expected.get(sender)} expected")
             sinks[sender] = target
+        self._joined_at = step if self._joined_at is None else self._joined_at
         late_before = Counter({sender: count for (kind_, sender), count in self._late.items()
                                if kind_ == key[0]})
         state = self._open[key] = OpenKey(expected, sinks, late_before, present or {})
@@ -537,6 +539,8 @@ class DatagramEndpoint:
         for i in np.flatnonzero(rest).tolist():
             key = (int(batch["kind"][i]), int(batch["step"][i]), int(batch["bucket"][i]))
             if key[1] < self._closed_below or key in self._closed:
+                if key[1] < (self._joined_at or 0):  # sent before this endpoint took part
+                    continue
                 self._counters[sender].datagrams_late += 1
                 self._late[key[0], sender] += 1
             else:
@@ -569,7 +573,10 @@ class DatagramEndpoint:
         self._closed_below = floor
         self._closed = {k for k in self._closed if k[1] >= floor}
         for old in [k for k in self._waiting if k[1] < floor]:
-            for batch in self._waiting.pop(old):
+            batches = self._waiting.pop(old)
+            if old[1] < (self._joined_at or 0):  # sent before this endpoint took part
+                continue
+            for batch in batches:
                 for sender, count in Counter(batch["sender"].tolist()).items():
                     self._counters[sender].datagrams_late += count
                     self._late[old[0], sender] += count
