@@ -6,6 +6,8 @@ ended by SIGTERM. `worker` and `moshpit-peer` are hidden from --help."""
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -47,7 +49,7 @@ def worker(
     """One worker of a namespace run (the runner starts it in the worker's namespace)."""
     from testbed.cluster.worker import run_worker
 
-    raise typer.Exit(run_worker(spec))
+    _end(run_worker(spec))
 
 
 @commands.command()
@@ -73,6 +75,16 @@ def node(
     timeline's part that is its own, trains (docs/compose.md)."""
     from testbed.cluster.node import KEY_FILE, run_node
 
-    raise typer.Exit(run_node(scenario, rank, hosts.split(","), runs, steps=steps, iface=iface,
-                              base_dir=base_dir, key_file=key_file or KEY_FILE))
+    _end(run_node(scenario, rank, hosts.split(","), runs, steps=steps, iface=iface,
+                  base_dir=base_dir, key_file=key_file or KEY_FILE))
+
+
+def _end(code: int) -> None:
+    """End a worker's process with `code` once its own clean-up ran (the collective, the
+    metrics, the event files): without the interpreter's finalization, which would abort
+    (exit 134) if a helper thread were still inside a store call to a peer gone or behind a
+    lossy link."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 

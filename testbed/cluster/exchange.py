@@ -40,11 +40,11 @@ def serve_run_store(host: str, port: int) -> Any:
     return TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=STORE_TIMEOUT)
 
 
-def _client(spec: WorkerSpec) -> Any:
+def _client(spec: WorkerSpec, timeout: datetime.timedelta = STORE_TIMEOUT) -> Any:
     from torch.distributed import TCPStore
 
     return TCPStore(spec.run_store or spec.hosts[0], spec.port("drift", 0), is_master=False,
-                    timeout=STORE_TIMEOUT)
+                    timeout=timeout)
 
 
 class PeerExchange:
@@ -105,7 +105,9 @@ class FigureRelay:
     def __init__(self, spec: WorkerSpec, on_rows: Callable[[int, dict[int, Any] | None], None],
                  *, rejoinable: bool) -> None:
         self.spec, self.on_rows, self.rejoinable = spec, on_rows, rejoinable
-        self.store = _client(spec)
+        # A store call slower than this (the store's TCP behind a lossy link, or gone) ends the
+        # relay rather than outlasting `close`.
+        self.store = _client(spec, datetime.timedelta(seconds=FIGURES_WAIT))
         # Requests for parameters made before now are not this worker's to answer.
         self._answered = self.store.add("parameters/asked", 0) if rejoinable else 0
         self.parameters_wanted = False
