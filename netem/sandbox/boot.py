@@ -84,6 +84,7 @@ def run(
         kernel = prepare()
     need_tools("booting the guest", GUEST_TOOLS, GUEST_PATH)
     need_tools("booting the guest", {"setpriv": "util-linux"})
+    _raise_map_count()
     token = secrets.token_hex(4)
     umid = f"tb-{os.getpid()}-{token}"
     workdir = Path(tempfile.mkdtemp(prefix="tb-uml-"))
@@ -232,3 +233,19 @@ def _read_bytes(path: Path) -> bytes:
         return path.read_bytes()
     except OSError:  # the process ended while we looked
         return b""
+
+
+MAP_COUNT = 262_144  # memory mappings a process may have, at least, while a guest runs
+MAP_COUNT_FILE = Path("/proc/sys/vm/max_map_count")
+
+
+def _raise_map_count() -> None:
+    """UML maps its guest's memory page by page into its own host process: a guest running
+    containers (`testbed compose --up`) went past the host's default 65,530 mappings and died
+    ("UML ran out of memory on the host side"). Raise the host's limit where it is lower and
+    this process may (root); elsewhere leave it."""
+    try:
+        if int(MAP_COUNT_FILE.read_text()) < MAP_COUNT:
+            MAP_COUNT_FILE.write_text(f"{MAP_COUNT}\n")
+    except (OSError, ValueError):
+        pass
