@@ -76,6 +76,7 @@ class WorkerState:
     evaluation: dict[str, float] = field(default_factory=dict)
     restarts: int = 0
     ready: bool = False  # set up and past the start barrier: training began
+    finished: bool = False  # said it is done: its training ended (it may still clean up)
     lingering: bool = False  # done, and serving /metrics until told to end (metrics.linger)
     # A command job's: its process group, when it started (monotonic), how long it ran.
     command_pid: int | None = None
@@ -318,7 +319,7 @@ class ClusterRun:
             self._killed.discard(rank)
             self._late.discard(rank)
             self.workers[rank].status = "starting"
-            self.workers[rank].lingering = False
+            self.workers[rank].finished = self.workers[rank].lingering = False
 
     def _kill(self, ranks: list[int]) -> None:
         """Preemption: the worker is gone at once, without its own clean-up."""
@@ -337,8 +338,18 @@ class ClusterRun:
             state.status = "killed"
 
     def _restart(self, ranks: list[int]) -> None:
-        """A preempted worker comes back and rejoins where the live ones are by then."""
+        """A preempted worker comes back and rejoins where the live ones are by then (unless
+        the job is over: then it is done, with nothing to rejoin)."""
         for rank in ranks:
+            with self._lock:
+                over = self._job_over(rank)
+                if over:
+                    self._killed.discard(rank)
+                    self._late.add(rank)
+                    self.workers[rank].status = "done"
+            if over:
+                self.workers[rank].restarts += 1
+                continue
             spec = WorkerSpec.from_json(self._spec_path(rank).read_text())
             self._spec_path(rank).write_text(dataclasses.replace(spec, rejoin=True).to_json())
             self.workers[rank].restarts += 1
@@ -378,7 +389,7 @@ class ClusterRun:
                     timeline.on_step(fired)
             on_update(self.workers)
             rejoining = [w for w in running if w.restarts and w.status == "starting"]
-            training = [w for w in running if w not in rejoining and not w.lingering]
+            training = [w for w in running if w not in rejoining and not w.finished]
             if rejoining and not training:  # the others ended: nothing left to rejoin
                 self._release(rejoining, late=True)
             if running and all(w.lingering for w in running):
@@ -416,6 +427,7 @@ class ClusterRun:
                 state.status = "running"
             return
         if report.get("done"):
+            state.finished = True
             state.evaluation = dict(report.get("evaluation") or {})
             if isinstance(report.get("seconds"), int | float):
                 state.seconds = float(report["seconds"])
@@ -447,10 +459,21 @@ class ClusterRun:
                 state.exit_code = code
                 if rank in self._killed:
                     state.status = "killed"
-                elif rank in self._late:
+                elif rank in self._late or (state.restarts and state.status == "starting"
+                                            and self._job_over(rank)):
+                    self._late.add(rank)  # back after the end: whatever it said, it is done
                     state.status = "done"
                 else:
                     state.status = "done" if code == 0 else "failed"
+
+    def _job_over(self, rank: int) -> bool:
+        """Every worker but `rank` finished its training or is gone (killed, or restarted and
+        still setting up): a worker coming back now has nothing left to rejoin, and the store
+        it would rejoin by goes with the job's end."""
+        others = [w for w in self.workers if w.rank != rank]
+        return any(w.finished for w in others) and all(
+            w.finished or w.rank in self._killed or (w.restarts and w.status == "starting")
+            for w in others)
 
     def _stop_all(self) -> None:
         """SIGTERM to every worker still running, SIGKILL to what is left after the grace."""

@@ -246,3 +246,19 @@ def test_a_preempted_worker_rejoins_where_the_others_are_with_their_parameters(
     assert abs(first_back - sum(peers) / 3) < 0.5 * fresh, (first_back, peers)
     kinds = [f.action for f in run.faults]
     assert kinds == ["kill", "restart"]
+
+
+def test_a_worker_restarted_at_the_last_step_comes_back_to_a_finished_job(tmp_path: Path):
+    """Restarted as the others take their last step, a worker finds the job over: it is told
+    to end while setting up, or its rejoin fails as the store goes with the job's end, or it
+    makes the last step. Each way the run succeeds and the worker is done, not failed."""
+    scenario = tmp_path / "late.yaml"
+    scenario.write_text(PREEMPTION.format(job=REJOINING["moshpit"][0],
+                                          collective=REJOINING["moshpit"][1], worker=3)
+                        .replace("steps: 80", "steps: 8").replace("step: 10", "step: 2")
+                        .replace("step: 20", "step: 7"))
+    result = ClusterRun(scenario, run_dir=tmp_path / "run").run()
+
+    assert result.success, result.error
+    assert [w.status for w in result.workers] == ["done"] * 4
+    assert result.workers[3].restarts == 1
