@@ -86,7 +86,8 @@ class Train:
     """What one train delivered, before any statistics.
 
     `seq`, `sent_ns` and `recv_ns` describe every arrival whose header was intact, in arrival
-    order (duplicates included); `payload_ok` says whether its payload was too.
+    order (duplicates included); `payload_ok` says whether its payload was too, `marked`
+    whether it arrived marked CE (of a train sent `ecn_capable`).
     """
 
     sent: int
@@ -95,6 +96,8 @@ class Train:
     sent_ns: np.ndarray
     recv_ns: np.ndarray
     payload_ok: np.ndarray
+    marked: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
+    ecn_capable: bool = False
     malformed: int = 0
     send_errors: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     stalls: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), dtype=np.int64))
@@ -140,6 +143,9 @@ class ProbeResult:
     rate_offered: float | None = None  # what the bulk train's sender achieved, bits/s
     stalled: int = 0  # arrivals left out of the delay figures: held up by a stall of the sender
     trains: int = 1  # timed trains sent: the ones before the last found the host too busy
+    ecn_capable: bool = False  # the probes were sent ECT(0): a link with `ecn` marks them
+    marked: int = 0  # distinct probes that arrived marked CE
+    marked_ratio: float = 0.0  # of the probes sent: what such a link would have dropped
 
     @property
     def frame_bytes(self) -> int:
@@ -179,14 +185,18 @@ def analyze(train: Train) -> ProbeResult:
     """The statistics of a train; all vectorised."""
     seq = train.seq.astype(np.int64)
     in_range = (seq >= 0) & (seq < train.sent)
-    seq, sent_ns, recv_ns, payload_ok = (
+    marked = (np.asarray(train.marked, dtype=bool) if len(train.marked)
+              else np.zeros(train.seq.size, dtype=bool))
+    seq, sent_ns, recv_ns, payload_ok, marked = (
         seq[in_range],
         train.sent_ns[in_range],
         train.recv_ns[in_range],
         np.asarray(train.payload_ok, dtype=bool)[in_range],
+        marked[in_range],
     )
     first = first_arrivals(seq)
     received = int(first.sum())
+    marked_count = int((marked & first).sum())
     expected = np.ones(train.sent, dtype=bool)
     expected[train.send_errors] = False
     lost = expected.copy()
@@ -235,6 +245,9 @@ def analyze(train: Train) -> ProbeResult:
         bunches=bunches,
         bunch_wait=bunch_wait,
         stalled=int((~timed).sum()),
+        ecn_capable=train.ecn_capable,
+        marked=marked_count,
+        marked_ratio=_ratio(marked_count, attempted) if attempted else 0.0,
     )
 
 

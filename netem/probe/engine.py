@@ -13,6 +13,10 @@ enters the one-way delay.
 Probes go over IPv4 or IPv6, as the destination address is; over IPv6 the zero UDP checksum
 needs a socket option at both ends (RFC 6936 allows it; Linux asks for it explicitly).
 
+ECN: the receiver reads each arrival's ECN field (IP_RECVTOS / IPV6_RECVTCLASS); a train sent
+ECN-capable (`ecn`: ECT(0) in every probe) counts how many a link marked CE instead of dropping
+them, as netem's `ecn` does.
+
 Throughput comes from a separate bulk train of MTU-sized datagrams sent with UDP segmentation
 offload (one system call per ~44 datagrams: a UML guest cannot send 100 Mbit/s otherwise), from
 the spacing of their kernel arrival stamps while the shaper's queue is kept busy.
@@ -69,7 +73,8 @@ UDP_NO_CHECK6_TX, UDP_NO_CHECK6_RX, IPV6_MTU = 101, 102, 24
 RECEIVE_BUFFER = 64 << 20  # holds a whole bulk train that is drained only after it was sent
 GSO_MAX_BYTES = 65_000
 GSO_MAX_SEGMENTS = 64
-_ANCILLARY = socket.CMSG_SPACE(16) + socket.CMSG_SPACE(4)
+_ANCILLARY = socket.CMSG_SPACE(16) + 2 * socket.CMSG_SPACE(4)
+ECN_MASK, ECT_0, ECN_CE = 0b11, 0b10, 0b11  # the ECN field: the low two bits of TOS / TCLASS
 
 
 @dataclass(frozen=True)
@@ -81,13 +86,18 @@ class _Family:
     mtu: tuple[int, int]  # the option that reads a connected socket's path MTU
     send_unchecked: tuple[int, int]  # the sender's option for a zero UDP checksum
     take_unchecked: tuple[int, int] | None  # the receiver's, where it needs one
+    traffic_class: tuple[int, int]  # the option that sets the TOS / TCLASS byte sent
+    receive_class: tuple[int, int]  # the option that hands each arrival's byte to recvmsg
 
 
 FAMILIES = {
     4: _Family(socket.AF_INET, 20 + 8, (socket.IPPROTO_IP, IP_MTU),
-               (socket.SOL_SOCKET, SO_NO_CHECK), None),
+               (socket.SOL_SOCKET, SO_NO_CHECK), None,
+               (socket.IPPROTO_IP, socket.IP_TOS), (socket.IPPROTO_IP, socket.IP_RECVTOS)),
     6: _Family(socket.AF_INET6, 40 + 8, (socket.IPPROTO_IPV6, IPV6_MTU),
-               (socket.IPPROTO_UDP, UDP_NO_CHECK6_TX), (socket.IPPROTO_UDP, UDP_NO_CHECK6_RX)),
+               (socket.IPPROTO_UDP, UDP_NO_CHECK6_TX), (socket.IPPROTO_UDP, UDP_NO_CHECK6_RX),
+               (socket.IPPROTO_IPV6, socket.IPV6_TCLASS),
+               (socket.IPPROTO_IPV6, socket.IPV6_RECVTCLASS)),
 }
 ETHERNET_HEADER = FRAME_OVERHEAD - FAMILIES[4].headers
 
@@ -103,7 +113,8 @@ def _udp_socket(netns: str | None, family: _Family) -> socket.socket:
 
 class _Receiver:
     """A bound UDP socket in the destination namespace that keeps the first `keep` bytes, the
-    real length and the kernel arrival stamp of every datagram, in preallocated arrays."""
+    real length, the kernel arrival stamp and the ECN field of every datagram, in preallocated
+    arrays."""
 
     def __init__(
         self,
@@ -124,6 +135,7 @@ class _Receiver:
             self.sock.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, RECEIVE_BUFFER)
             self.sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
             self.sock.setsockopt(socket.SOL_SOCKET, SO_RXQ_OVFL, 1)
+            self.sock.setsockopt(*family.receive_class, 1)
             self.sock.bind((address, 0))
         except OSError as exc:
             self.sock.close()
@@ -133,6 +145,8 @@ class _Receiver:
         self.view = memoryview(self.slots).cast("B")
         self.lengths = np.zeros(capacity, dtype=np.int64)
         self.stamps = bytearray(16 * capacity)
+        self.ecn = np.zeros(capacity, dtype=np.uint8)
+        self._class_of = {family.traffic_class}  # (level, type) of the cmsg that carries it
         self.count = 0
         self.unread = 0
         self.drops = 0
@@ -160,6 +174,8 @@ class _Receiver:
                     self.stamps[16 * n : 16 * n + 16] = data[:16]
                 elif level == socket.SOL_SOCKET and kind == SO_RXQ_OVFL:
                     self.drops = struct.unpack("I", data[:4])[0]
+                elif (level, kind) in self._class_of and data and n < self.capacity:
+                    self.ecn[n] = data[0] & ECN_MASK  # a byte (IPv4) or a host-order int (IPv6)
             if n >= self.capacity:
                 self.unread += 1
                 continue
@@ -190,6 +206,10 @@ class _Receiver:
         recv_ns = stamps[:, 0] * 1_000_000_000 + stamps[:, 1]
         return decode(self.slots[:n], self.lengths[:n], run=self.run, size=self.size), recv_ns
 
+    def marked(self) -> np.ndarray:
+        """Whether each datagram read so far arrived marked CE."""
+        return self.ecn[: self.count] == ECN_CE
+
     def linger(self) -> float:
         """How long to keep reading after the first end marker: probes sent before it may still
         be held by the link for up to (longest delay seen - the marker's delay)."""
@@ -218,10 +238,13 @@ class _Sender:
         run: int,
         size: int,
         checksum: bool,
+        ecn: bool = False,
     ) -> None:
         self.sock = _udp_socket(netns, family)
         if not checksum:
             self.sock.setsockopt(*family.send_unchecked, 1)
+        if ecn:
+            self.sock.setsockopt(*family.traffic_class, ECT_0)
         self.destination, self.run, self.size = destination, run, size
         self.buffer = bytearray(encode(run, 0, 0, size))
 
@@ -294,9 +317,11 @@ def run_train(
     interval: float = DEFAULT_INTERVAL,
     size: int = DEFAULT_SIZE,
     timeout: float = 5.0,
+    ecn: bool = False,
 ) -> Train:
     """Send `count` probes of `size` bytes every `interval` seconds from namespace `source` to
-    `address` (a socket bound in `destination`), and collect what arrived.
+    `address` (a socket bound in `destination`), and collect what arrived; with `ecn` the
+    probes are ECN-capable (ECT(0)), so a link that marks instead of dropping can.
 
     A warm-up marker opens the train (sent until one arrives, at most `timeout` seconds);
     end-of-train markers close it: the receiver stops once one arrived and the link can hold
@@ -314,7 +339,7 @@ def run_train(
     )
     try:
         sender = _Sender(source, receiver.address, family=family, run=run, size=size,
-                         checksum=False)
+                         checksum=False, ecn=ecn)
         try:
             _signal(receiver, sender, KIND_WARMUP, time.monotonic() + timeout)
             errors: list[int] = []
@@ -353,6 +378,8 @@ def run_train(
             sent_ns=decoded.sent_ns[probes],
             recv_ns=recv_ns[probes],
             payload_ok=decoded.status[probes] == STATUS_OK,
+            marked=receiver.marked()[probes],
+            ecn_capable=ecn,
             malformed=int((decoded.status == STATUS_MALFORMED).sum()),
             send_errors=np.asarray(errors, dtype=np.int64),
             stalls=np.asarray(stalls, dtype=np.int64).reshape(-1, 2),
@@ -481,12 +508,14 @@ def probe(
     offered_rate: float | None = None,
     timeout: float = 5.0,
     trains: int = 5,
+    ecn: bool = False,
 ) -> ProbeResult:
     """Measure the link from namespace `source` to `address` in namespace `destination` (None:
-    this process's namespace): a timed probe train, then, if `rate_duration` > 0, a bulk train
-    for the rate. A timed train that found the host too busy to time it (`too_busy`: stalls of
-    the sender held up all but a few of its probes) is sent again, `trains` at most; the
-    result is the last train's, and says how many were sent."""
+    this process's namespace): a timed probe train (ECN-capable with `ecn`), then, if
+    `rate_duration` > 0, a bulk train for the rate. A timed train that found the host too
+    busy to time it (`too_busy`: stalls of the sender held up all but a few of its probes) is
+    sent again, `trains` at most; the result is the last train's, and says how many were
+    sent."""
     if trains < 1:
         raise ProbeError(f"trains: expected at least 1, got {trains}")
     sent = 0
@@ -494,7 +523,7 @@ def probe(
         sent += 1
         result = analyze(
             run_train(source, destination, address, count=count, interval=interval, size=size,
-                      timeout=timeout)
+                      timeout=timeout, ecn=ecn)
         )
         if sent == trains or not result.too_busy:
             break

@@ -207,6 +207,8 @@ def compare(configured: LinkProfile, result: ProbeResult,
             _burst_check(configured, result),
             *_delay_checks(configured, result, floor),
         ]
+        if configured.ecn or result.ecn_capable:
+            checks.append(_marked_check(configured, result))
     if configured.slot is not None:
         checks.append(_slot_check(configured, result, floor))
     checks.append(_reorder_check(configured, result))
@@ -240,28 +242,63 @@ def compare(configured: LinkProfile, result: ProbeResult,
     return checks
 
 
+def _marking(configured: LinkProfile, result: ProbeResult) -> bool:
+    """The link marks the probes CE where its loss model says "lose" (netem's `ecn`, and the
+    probes were ECN-capable): they arrive, marked, instead."""
+    return configured.ecn and result.ecn_capable
+
+
 def _loss_check(configured: LinkProfile, result: ProbeResult) -> Check:
     """Z standard errors of the lost count: binomial for independent losses, plus the extra
-    variance that bursts add."""
-    if configured.loss_correlation > 0:
+    variance that bursts add. Probes a link marks instead of dropping are not lost."""
+    if configured.loss_correlation > 0 and not _marking(configured, result):
         return _skipped(
             "loss",
             "ratio",
             result.loss_ratio,
             "netem's correlated generator does not keep the mean loss",
         )
-    n = max(result.sent, 1)
     header = configured.corrupt * (FRAME_OVERHEAD + HEADER.size) / result.frame_bytes
-    expected = 1 - (1 - configured.mean_loss) * (1 - header)
+    if _marking(configured, result):
+        return _binomial("loss", header, result.loss_ratio, result.sent,
+                         "the link marks CE what its loss model takes (ecn)")
+    return _chain_check("loss", configured, 1 - (1 - configured.mean_loss) * (1 - header),
+                        result.loss_ratio, result.sent)
+
+
+def _chain_check(quantity: str, configured: LinkProfile, expected: float, measured: float,
+                 trials: int) -> Check:
+    """A ratio the loss model sets: binomial, plus the extra variance that bursts add."""
+    n = max(trials, 1)
     independent = max(expected * (1 - expected), 1 / n) / n
     tolerance = Z * math.sqrt(independent + _burst_variance(configured) / n)
-    return _check("loss", "ratio", expected, result.loss_ratio, tolerance)
+    return _check(quantity, "ratio", expected, measured, tolerance)
+
+
+def _marked_check(configured: LinkProfile, result: ProbeResult) -> Check:
+    """The probes that arrived marked CE: what the loss model takes on a link with `ecn` (of
+    ECN-capable probes), none on one without."""
+    if not result.ecn_capable:
+        return _skipped("CE marks", "ratio", math.nan,
+                        "the probes were not ECN-capable (probe with ecn to count marks)")
+    if not configured.ecn:
+        return _binomial("CE marks", 0.0, result.marked_ratio, result.sent,
+                         "no ecn configured: nothing should be marked")
+    if configured.loss_correlation > 0:
+        return _skipped("CE marks", "ratio", result.marked_ratio,
+                        "netem's correlated generator does not keep the mean loss")
+    header = configured.corrupt * (FRAME_OVERHEAD + HEADER.size) / result.frame_bytes
+    return _chain_check("CE marks", configured, configured.mean_loss * (1 - header),
+                        result.marked_ratio, result.sent)
 
 
 def _burst_check(configured: LinkProfile, result: ProbeResult) -> Check:
     measured = result.loss_burst_mean if result.loss_bursts else math.nan
     if configured.mean_loss == 0:
         return _skipped("loss burst mean", "packets", measured, "no loss configured")
+    if _marking(configured, result):
+        return _skipped("loss burst mean", "packets", measured,
+                        "the link marks CE instead of losing (ecn)")
     if configured.loss_correlation > 0:
         return _skipped(
             "loss burst mean",

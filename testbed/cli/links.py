@@ -72,6 +72,12 @@ def probe(
                      "Default: 1s when a rate is expected, else none."),
     ] = None,
     timeout: Annotated[float, typer.Option(help="Seconds to wait for the end of a train.")] = 5.0,
+    ecn: Annotated[
+        bool | None,
+        typer.Option("--ecn/--no-ecn", help="Send the timed train ECN-capable (ECT(0)) and count "
+                     "the probes that arrive marked CE. Default: when the expected profile has "
+                     "ecn.", show_default=False),
+    ] = None,
     expect_profile: Annotated[
         typer.FileText | None,
         typer.Option(help="YAML mapping of a link profile (docs/profiles.md); --expect-* "
@@ -120,8 +126,10 @@ def probe(
         raise typer.Exit(2) from None
     offered = offered_load(expected) if expected is not None else None
     try:
+        capable = ecn if ecn is not None else expected is not None and expected.ecn
         result = run_probe(source, destination, address, count=count, interval=spacing,
-                           size=size, rate_duration=bulk, offered_rate=offered, timeout=timeout)
+                           size=size, rate_duration=bulk, offered_rate=offered, timeout=timeout,
+                           ecn=capable)
     except ProbeError as exc:
         typer.echo(f"testbed probe: {exc}", err=True)
         raise typer.Exit(2) from None

@@ -75,6 +75,7 @@ def probe_summary(result: ProbeResult) -> str:
         f"{result.received} arrived ({result.arrivals} with duplicates), {result.corrupt} "
         f"damaged, {result.malformed} malformed; loss bursts: max {result.loss_burst_max}; "
         f"delay p50/p90/p99 {p[50] * 1e3:.3f}/{p[90] * 1e3:.3f}/{p[99] * 1e3:.3f} ms"
+        + (f"; sent ECN-capable, {result.marked} marked CE" if result.ecn_capable else "")
         + (f"; rate over {result.rate_frames} frames of {result.rate_frame_bytes} bytes, "
            f"{result.rate_offered / 1e6:.1f} Mbit/s offered" if result.rate is not None else "")
         + ("" if result.ended else "; no end-of-train marker arrived (receiver timed out)")

@@ -247,6 +247,9 @@ class LossyOptions(CollectiveOptions):
     resend: bool = Field(default=True, description="After the broadcast, every worker asks "
                          "each owner once for the chunks it lacks and gets them again within "
                          "the call (two more exchanges per call).")
+    ecn: bool = Field(default=False, description="Send the datagrams ECN-capable (ECT(0)): a "
+                      "link with ecn marks them CE instead of dropping them, and the marks are "
+                      "counted (testbed_datagrams_ce_marked_total); nothing slows down on them.")
     timeout: float = Field(default=30.0, gt=0, description=TIMEOUT_HELP)
     rendezvous_timeout: float = Field(default=300.0, gt=0, description=RENDEZVOUS_HELP)
 

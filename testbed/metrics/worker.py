@@ -224,6 +224,9 @@ class WorkerMetrics:
                  "Datagrams the peer's sequence numbers say never came"),
                 ("datagrams_late", "datagrams_late",
                  "Datagrams that came after their step was closed"),
+                ("datagrams_ce_marked", "datagrams_ce_marked",
+                 "Datagrams received marked CE: a link with ecn marked them instead of "
+                 "dropping them (sent ECN-capable: collective option ecn)"),
                 ("datagrams_malformed", "datagrams_malformed",
                  "Datagrams dropped as malformed (peer=unknown: from no known address)"),
                 ("datagrams_foreign", "datagrams_foreign",

@@ -386,7 +386,8 @@ class NetemNetwork:
                 timeout: float = 5.0) -> Measurement:
         """Send a probe train across src -> dst (`count` probes every `interval` seconds; with
         `rate`, by default when the link has one, a bulk train for the rate) and compare what
-        arrived with what the link carries now (docs/probes.md has the tolerances)."""
+        arrived with what the link carries now (docs/probes.md has the tolerances). On a link
+        with `ecn` the probes are ECN-capable, so the link marks them instead of dropping."""
         s, d = _index(src), _index(dst)
         configured = self.profile(s, d)
         source, destination = self.hosts[s], self.hosts[d]
@@ -394,7 +395,7 @@ class NetemNetwork:
         result = probe(source.netns, destination.netns, destination.address, count=count,
                        interval=interval, timeout=timeout,
                        rate_duration=RATE_SECONDS if bulk else 0.0,
-                       offered_rate=offered_load(configured))
+                       offered_rate=offered_load(configured), ecn=configured.ecn)
         checks = {check.quantity: check
                   for check in compare(configured, result)}
         return Measurement(s, d, configured, result, checks)

@@ -25,9 +25,10 @@ _MEMINFO_DROPS = 8  # SK_MEMINFO_DROPS: datagrams the kernel dropped for this so
 class DatagramCounters:
     """UDP traffic with one peer. `datagrams_lost` counts gaps in the peer's sequence numbers
     (whatever their cause; a reordered datagram fills its gap when it comes); `datagrams_late`
-    is the part of `datagrams_received` that came after its step was closed. Malformed, foreign
-    and replayed datagrams are dropped and not received. Bytes are UDP payload bytes, wire
-    header included."""
+    is the part of `datagrams_received` that came after its step was closed, and
+    `datagrams_ce_marked` the part a link marked CE (ECN) instead of dropping. Malformed,
+    foreign and replayed datagrams are dropped and not received. Bytes are UDP payload bytes,
+    wire header included."""
 
     datagrams_sent: int = 0
     bytes_sent: int = 0
@@ -36,6 +37,7 @@ class DatagramCounters:
     bytes_received: int = 0
     datagrams_lost: int = 0
     datagrams_late: int = 0
+    datagrams_ce_marked: int = 0
     datagrams_malformed: int = 0
     datagrams_foreign: int = 0
     datagrams_replayed: int = 0

@@ -47,6 +47,13 @@ class _Mmsghdr(ctypes.Structure):
 IOVEC = np.dtype(_Iovec)
 MMSGHDR = np.dtype(_Mmsghdr)
 NAME_BYTES = 32  # room for a sockaddr_in6 (28 bytes)
+# Room for the one control message a datagram socket asks for: its IP_TOS (a byte) or
+# IPV6_TCLASS (an int) after a struct cmsghdr (length, level, type).
+CMSG_HEADER = 16
+CONTROL_BYTES = 32
+TRAFFIC_CLASS_MESSAGES = ((socket.IPPROTO_IP, socket.IP_TOS),
+                          (socket.IPPROTO_IPV6, socket.IPV6_TCLASS))
+ECN_CE = 0b11  # the ECN field (low two bits of TOS / TCLASS) of a packet marked CE
 MSG_DONTWAIT = socket.MSG_DONTWAIT
 
 
@@ -93,8 +100,8 @@ def address_of(name: bytes | memoryview) -> tuple[str, int]:
 
 class ReceiveRing:
     """`count` slots of `size` bytes (rows `stride` apart, a multiple of 64), each with the
-    sender's address, filled by one recvmmsg call. `slots` and `lengths()` are views of the
-    last call's datagrams, valid until the next one."""
+    sender's address and room for a control message, filled by one recvmmsg call. `slots`,
+    `lengths()` and `marked()` are views of the last call's datagrams, valid until the next."""
 
     def __init__(self, count: int, size: int) -> None:
         self.count, self.size = count, size
@@ -110,7 +117,12 @@ class ReceiveRing:
         header["iov"] = self._iov.ctypes.data + IOVEC.itemsize * np.arange(count, dtype=np.uint64)
         header["iovlen"] = 1
         header["namelen"] = NAME_BYTES
-        self._namelen = header["namelen"]  # the kernel writes each used one back: reset them
+        self.control = np.zeros((count, CONTROL_BYTES), dtype=np.uint8)
+        header["control"] = self.control.ctypes.data + CONTROL_BYTES * np.arange(
+            count, dtype=np.uint64)
+        header["controllen"] = CONTROL_BYTES
+        # The kernel writes each used length back: reset them before the next call.
+        self._namelen, self._controllen = header["namelen"], header["controllen"]
         self._used = 0
         self._address = self._msgs.ctypes.data
         self._recvmmsg = mmsg_calls()[0]
@@ -119,6 +131,7 @@ class ReceiveRing:
         """Datagrams now queued on `fd`, up to `count`, without waiting; 0 if none. Raises
         OSError for any other error of the call (e.g. ECONNREFUSED of an earlier send)."""
         self._namelen[:self._used] = NAME_BYTES
+        self._controllen[:self._used] = CONTROL_BYTES
         while True:
             got = self._recvmmsg(fd, self._address, self.count, MSG_DONTWAIT, None)
             if got >= 0:
@@ -133,6 +146,19 @@ class ReceiveRing:
     def lengths(self, count: int) -> np.ndarray:
         """Bytes each of the last call's first `count` datagrams had (at most `size`)."""
         return self._msgs["len"][:count].astype(np.int64)
+
+    def marked(self, count: int) -> np.ndarray:
+        """Whether each of the last call's first `count` datagrams arrived marked CE, from the
+        TOS / TCLASS byte the socket asked the kernel for (IP_RECVTOS / IPV6_RECVTCLASS;
+        without them nothing reads as marked)."""
+        control = self.control[:count]
+        level = control[:, 8:12].copy().view(np.int32)[:, 0]
+        kind = control[:, 12:16].copy().view(np.int32)[:, 0]
+        carried = np.zeros(count, dtype=bool)
+        for want_level, want_kind in TRAFFIC_CLASS_MESSAGES:
+            carried |= (level == want_level) & (kind == want_kind)
+        carried &= self._controllen[:count] > CMSG_HEADER
+        return carried & ((control[:, CMSG_HEADER] & 0b11) == ECN_CE)
 
 
 @dataclass(frozen=True)

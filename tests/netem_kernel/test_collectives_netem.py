@@ -136,6 +136,32 @@ def test_lossy_all_reduce_estimates_the_mean_across_netem_links(lab):
         close_all(lab, group)
 
 
+@pytest.mark.parametrize("ecn", [True, False])
+def test_lossy_datagrams_sent_ecn_capable_are_marked_not_lost_on_an_ecn_link(ecn):
+    """Links with 10% loss and netem's ecn: the lossy collective's datagrams, sent
+    ECN-capable (its option ecn), all arrive, a tenth of them marked CE and counted so;
+    without the option they are dropped as on any lossy link and none is marked. Two calls
+    move about 300 datagrams per worker: at 10% none marked (or none lost) has odds below
+    1e-13."""
+    with Lab(2) as pair:
+        shape_every_link(pair, LinkProfile.parse(loss="10%", ecn=True), backend="netem")
+        group = lossy_workers(pair, port=29540, ecn=ecn)
+        try:
+            given = inputs()[:2]
+            for step in range(2):
+                on_hosts(pair, [lambda r=r, s=step: group[r].allreduce(given[r], s)
+                                for r in range(2)])
+            counters = [next(iter(worker.endpoint.counters().values())) for worker in group]
+        finally:
+            close_all(pair, group)
+    marked = sum(c.datagrams_ce_marked for c in counters)
+    lost = sum(c.datagrams_lost for c in counters)
+    if ecn:
+        assert marked > 0 and lost == 0, counters
+    else:
+        assert marked == 0 and lost > 0, counters
+
+
 def test_moshpit_reaches_the_exact_mean_across_netem_links(lab):
     # Generous times: one slow CPU runs every peer; a late heartbeat must not count as a death.
     peers = moshpit_peers(lab, port=29530, group_size=2, timeout=10.0, heartbeat=0.5,

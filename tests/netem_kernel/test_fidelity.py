@@ -71,6 +71,25 @@ def test_random_loss(make_lab, loss, count):
     assert_faithful(profile, result, "loss", "loss burst mean")
 
 
+@pytest.mark.parametrize("family", ["ipv4", "ipv6"])
+def test_a_link_with_ecn_marks_ecn_capable_probes_and_drops_the_others(make_lab, family):
+    """netem's `ecn`: where the loss model takes a packet, an ECN-capable one arrives marked CE
+    instead, and one that is not is dropped as before; the probe counts both ways. Over 5 000
+    probes the 10% is judged within 5.5 standard errors (about ±2.3 points), and a false
+    failure of the bounds below is beyond 10 of them."""
+    lab = make_lab(2)
+    profile = LinkProfile.parse(loss="10%", ecn=True)
+    apply(lab.hosts[1].switch_port, profile, netns=lab.switch)
+    src, dst = lab.hosts[0], lab.hosts[1]
+    address = dst.address if family == "ipv4" else dst.address6
+    capable = probe(src.netns, dst.netns, address, count=5000, ecn=True)
+    assert_faithful(profile, capable, "loss", "CE marks")
+    assert capable.ecn_capable and capable.loss_ratio < 0.01 and capable.marked_ratio > 0.05
+    plain = probe(src.netns, dst.netns, address, count=5000)
+    assert_faithful(profile, plain, "loss")
+    assert plain.marked == 0 and plain.loss_ratio > 0.05
+
+
 def test_delay_and_jitter(make_lab):
     lab = make_lab(2)
     profile = LinkProfile.parse(delay="20ms", jitter="5ms")

@@ -248,6 +248,31 @@ def test_loss_within_its_binomial_tolerance(measured, passed):
     assert check.passed is passed
 
 
+def test_marked_probes_are_counted_once_each_of_what_was_sent():
+    marks = [True, False, True, True, False]  # seq 2 arrives twice, marked both times
+    result = analyze(train([0, 1, 2, 2, 4], sent=5, marked=np.array(marks), ecn_capable=True))
+    assert (result.marked, result.marked_ratio, result.ecn_capable) == (2, 0.4, True)
+    assert analyze(train([0, 1], sent=2)).marked == 0  # no ECN fields read: none marked
+
+
+def test_a_link_with_ecn_is_judged_on_marks_instead_of_losses():
+    """On a link with `ecn`, ECN-capable probes the loss model takes arrive marked CE: the
+    marks carry the configured loss and the loss is only what corruption would add; probes
+    that were not ECN-capable are lost as on any link, and their marks are not judged."""
+    profile = LinkProfile.parse(loss="10%", ecn=True)
+    marking = by_name(compare(profile, perfect(ecn_capable=True, marked_ratio=0.1)))
+    assert marking["loss"].passed is True and marking["CE marks"].passed is True
+    assert marking["loss burst mean"].passed is None
+    assert by_name(compare(profile, perfect(ecn_capable=True, loss_ratio=0.1)))[
+        "loss"].passed is False  # dropped where it should have marked
+    assert by_name(compare(profile, perfect(ecn_capable=True, marked_ratio=0.2)))[
+        "CE marks"].passed is False
+    plain = by_name(compare(profile, perfect(loss_ratio=0.1)))
+    assert plain["loss"].passed is True and plain["CE marks"].passed is None
+    unexpected = by_name(compare(LinkProfile(), perfect(ecn_capable=True, marked_ratio=0.01)))
+    assert unexpected["CE marks"].passed is False  # marks where no ecn was configured
+
+
 def test_loss_tolerance_widens_as_the_train_shortens():
     check = by_name(compare(LinkProfile.parse(loss="10%"), perfect(1250, loss_ratio=0.1)))["loss"]
     assert check.tolerance == pytest.approx(5.5 * math.sqrt(0.1 * 0.9 / 1250))

@@ -748,3 +748,36 @@ def test_a_peer_that_moved_is_taken_only_from_its_new_address(raw):
         rejected = receiver.socket_counters().rejected
         assert receiver._peers[5] == ("127.0.0.2", port)
     assert rejected == {"wrong_source": 2}
+
+
+def test_datagrams_marked_ce_are_counted_per_peer(raw):
+    """A CE mark (what a link with netem's ecn puts where it would drop an ECN-capable
+    packet) is read from each datagram's TOS byte and counted against its sender; unmarked
+    ones are not. Here the sender writes the marks itself (UDP lets it set its ECN bits)."""
+    with DatagramEndpoint(1, RUN, LOOPBACK, peers={5: raw.getsockname()}) as receiver:
+        address = receiver.address
+        for seq in range(5):
+            raw.setsockopt(socket.IPPROTO_IP, socket.IP_TOS, 0b11 if seq < 3 else 0b10)
+            raw.sendto(crafted(seq), address)
+        raw.setsockopt(socket.IPPROTO_IP, socket.IP_TOS, 0)
+        raw.sendto(crafted(5, kind=Kind.CONTROL, step=1000), address)
+        wait_for_marker(receiver)
+        counters = receiver.counters()[5]
+    assert counters.datagrams_received == 6
+    assert counters.datagrams_ce_marked == 3
+
+
+@pytest.mark.parametrize("ecn", [True, False])
+def test_an_ecn_endpoint_sends_ecn_capable_datagrams(ecn):
+    """With ecn, every datagram leaves ECT(0) (a marking link may mark it); without, Not-ECT."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as listener:
+        listener.bind(LOOPBACK)
+        listener.setsockopt(socket.IPPROTO_IP, socket.IP_RECVTOS, 1)
+        listener.settimeout(WAIT)
+        with DatagramEndpoint(0, RUN, LOOPBACK, ecn=ecn,
+                              peers={1: listener.getsockname()}) as sender:
+            sender.send_tensor(1, Kind.GRADIENT, 0, 0, torch.ones(4))
+        _, ancillary, _, _ = listener.recvmsg(2048, socket.CMSG_SPACE(1))
+    ((level, kind, data),) = ancillary
+    assert (level, kind) == (socket.IPPROTO_IP, socket.IP_TOS)
+    assert data[0] & 0b11 == (0b10 if ecn else 0)

@@ -47,6 +47,7 @@ class Lossy(CollectiveBase):
         parity: int = 4,
         missed: Missed = "keep",
         resend: bool = True,
+        ecn: bool = False,
         stream_addresses: Sequence[tuple[str, int]] | None = None,
         congestion: str | None = None,
         timeout: float = 30.0,
@@ -68,8 +69,10 @@ class Lossy(CollectiveBase):
         was missed (`step`; MISSED): its stale value, or that plus the last update it received
         there, or plus its own optimizer's update of its local gradient. With `resend`, a
         worker asks each owner once for the broadcast chunks it lacks, and gets them again
-        within the call. The defaults (settle auto, parity 4, resend) are the ones that kept
-        training within the accuracy targets under 10-30% loss (docs/training.md). The
+        within the call. With `ecn` the datagrams are ECN-capable: a link with netem's `ecn`
+        marks them CE instead of dropping them (counted as `datagrams_ce_marked`). The
+        defaults (settle auto, parity 4, resend) are the ones that kept training within the
+        accuracy targets under 10-30% loss (docs/training.md). The
         workers meet over TCP at `stream_addresses` (default: `addresses`; TCP ports are apart
         from UDP's), with `congestion` control and `timeout` per message, before the first
         datagram, waiting up to `rendezvous_timeout` for all of them (ranks may arrive minutes
@@ -94,7 +97,7 @@ class Lossy(CollectiveBase):
             rate=rate, rcvbuf=rcvbuf, deadline_initial=deadline_initial,
             deadline_floor=deadline_floor, deadline_ceiling=deadline_ceiling,
             straggler_timeout=straggler_timeout, settle=settle, resync_every=resync_every,
-            parity=parity, missed=missed, resend=resend, timeout=timeout,
+            parity=parity, missed=missed, resend=resend, ecn=ecn, timeout=timeout,
             rendezvous_timeout=rendezvous_timeout)
         if rejoining and (problem := options.rejoin_problem("none")):
             raise ValueError(f"resync_every: {problem}")
@@ -112,7 +115,7 @@ class Lossy(CollectiveBase):
         self._sender: ThreadPoolExecutor | None = None  # a resync's sends, beside its receives
         self.endpoint = endpoint or DatagramEndpoint(
             rank, run_id, tuple(addresses[rank]), mtu=mtu, rate=options.rate,
-            rcvbuf=options.rcvbuf, key=key)
+            rcvbuf=options.rcvbuf, key=key, ecn=options.ecn)
         self.waiting = Waiting(self.endpoint, options)
         try:
             for peer in self.peers:

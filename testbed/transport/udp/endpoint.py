@@ -72,7 +72,9 @@ class DatagramEndpoint:
     bookkeeping). Keys more than `history_steps` below the newest collected step are closed.
     With `key` (the run's secret, `testbed.transport.auth`), every datagram carries a MAC and
     only those whose MAC proves the key are taken; every worker of a run must have the same
-    key, or none.
+    key, or none. With `ecn` its datagrams are ECN-capable (ECT(0)): a link with netem's `ecn`
+    marks them CE instead of dropping them; marks are counted per peer either way
+    (`datagrams_ce_marked`), and change nothing else (no congestion response).
     """
 
     def __init__(
@@ -90,6 +92,7 @@ class DatagramEndpoint:
         replay_window: int = 4096,
         history_steps: int = 8,
         key: bytes | None = None,
+        ecn: bool = False,
     ) -> None:
         mmsg_calls()  # a clear TransportError here where the C library lacks them
         ipv6 = ":" in address[0]
@@ -109,7 +112,7 @@ class DatagramEndpoint:
             self._bucket, self._send_batch = paced(rate, burst, frame, time.monotonic())
         try:
             self._sock, self.rcvbuf_bytes, self.sndbuf_bytes = datagram_socket(
-                address, ipv6=ipv6, rcvbuf=rcvbuf, sndbuf=sndbuf)
+                address, ipv6=ipv6, rcvbuf=rcvbuf, sndbuf=sndbuf, ecn=ecn)
         except OSError as exc:
             where = f"rank {rank}: UDP endpoint on {address[0]}:{address[1]}"
             raise TransportError(f"{where}: {exc.strerror}") from None
@@ -439,13 +442,15 @@ class DatagramEndpoint:
                 self._receive_errors += 1
                 break
             if count:
-                self._receive(ring.slots[:count], ring.lengths(count), time.monotonic())
+                self._receive(ring.slots[:count], ring.lengths(count), ring.marked(count),
+                              time.monotonic())
             total += count
             if count < ring.count:
                 break
         self._flowing = total > 0
 
-    def _receive(self, rows: np.ndarray, lengths: np.ndarray, now: float) -> None:
+    def _receive(self, rows: np.ndarray, lengths: np.ndarray, marked: np.ndarray,
+                 now: float) -> None:
         """One batch just read: check it (headers, source addresses, MACs), then sequence,
         count and route each sender's part (streams and first copies are per sender; usually
         a batch holds one). A refused datagram is counted against the peer whose address it
@@ -467,7 +472,7 @@ class DatagramEndpoint:
             self._reject(names[~ok], codes[~ok])
         if not ok.any():
             return
-        batch = ReceivedBatch(rows, headers, np.full(len(rows), now))
+        batch = ReceivedBatch(rows, headers, np.full(len(rows), now), marked)
         if not ok.all():
             batch = batch.take(ok)
         senders = batch["sender"]
@@ -489,6 +494,8 @@ class DatagramEndpoint:
         if kept:
             counters = self._counters[sender]
             counters.datagrams_received += kept
+            if batch.marked is not None:
+                counters.datagrams_ce_marked += int(batch.marked.sum())
             counters.bytes_received += (int(batch["payload_len"].sum())
                                         + kept * (HEADER_SIZE + self.trailer))
             progress = batch["kind"] == Kind.PROGRESS

@@ -30,18 +30,20 @@ Key = tuple[int, int, int]  # (kind, step, bucket)
 class ReceivedBatch:
     """Datagrams that passed the header checks: row i of `rows` holds datagram i from its
     header on, row i of `headers` its header (NATIVE_HEADER_DTYPE), `arrival` when each was
-    read."""
+    read, `marked` whether it came marked CE (None: not known)."""
 
     rows: np.ndarray  # (k, stride) uint8
     headers: np.ndarray
     arrival: np.ndarray  # float64, time.monotonic()
+    marked: np.ndarray | None = None  # bool
 
     def __getitem__(self, field: str) -> np.ndarray:
         return self.headers[field]
 
     def take(self, which: np.ndarray) -> ReceivedBatch:
         """The datagrams `which` picks (a bool mask or indexes), rows copied."""
-        return ReceivedBatch(self.rows[which], self.headers[which], self.arrival[which])
+        return ReceivedBatch(self.rows[which], self.headers[which], self.arrival[which],
+                             None if self.marked is None else self.marked[which])
 
     def __len__(self) -> int:
         return len(self.headers)
