@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Annotated
@@ -50,6 +51,7 @@ def scenario_check(
     timeline where that is not the file's order), every problem of a bad one (path, line,
     what is allowed), a command job's missing directory, program or script included. Exit code
     2 if any file is bad (bad input)."""
+    from testbed.cli.render import trace_line
     from testbed.scenario import ScenarioError, find_scenario, load_scenario
     from testbed.scenario.timeline import order_note
 
@@ -63,10 +65,15 @@ def scenario_check(
             if not json_output:
                 typer.echo(str(error), err=True)
         else:
+            traces = {link.trace.file: link.trace.schedule().describe()
+                      for link in scenario.topology.links if link.trace is not None}
             results.append({"file": name, "ok": True, "name": scenario.name,
-                            "summary": scenario.summary()})
+                            "summary": scenario.summary(),
+                            "traces": [dataclasses.asdict(t) for t in traces.values()]})
             if not json_output:
                 typer.echo(f"ok {name}: {scenario.summary()}")
+                for summary in traces.values():
+                    typer.echo(f"  trace {trace_line(summary)}")
                 note = order_note(scenario.timeline)
                 if note is not None:
                     typer.echo(f"  note: {note}")

@@ -35,6 +35,7 @@ from testbed.cluster.capture import RunCapture
 from testbed.cluster.exchange import serve_run_store
 from testbed.cluster.network import ClusterNetwork
 from testbed.cluster.relay import TARGETS_FILE, MetricsRelay
+from testbed.cluster.replay import LinkReplay
 from testbed.cluster.timeline import Timeline
 from testbed.cluster.worker import (
     PORTS,
@@ -190,14 +191,22 @@ class ClusterRun:
                     on_kill=self._kill, on_restart=self._restart,
                     on_straggler_burst=self._burst,
                 )
+                # The traced links' workers' metrics follow each change, as a timeline's do.
+                replay = LinkReplay(network, self.scenario.traces(), on_change=lambda pairs, _: (
+                    post_links(self.run_dir, {"pairs": pairs}, network.links.effective)))
                 for rank in range(self.scenario.count):
                     self._check_interrupt()
                     self._start(rank)
                 try:
-                    self._follow(timeline, writer, on_update)
+                    self._follow(timeline, replay, writer, on_update)
                 finally:
                     timeline.stop()
-                    self._stop_all()
+                    try:
+                        replay.stop()
+                    finally:
+                        if replay and replay.origin is not None:
+                            writer.event("replay", **replay.summary())
+                        self._stop_all()
         except KeyboardInterrupt as interrupt:
             error = ("terminated (SIGTERM)" if getattr(interrupt, "signum", None)
                      == signal.SIGTERM else "interrupted (Ctrl-C)")
@@ -359,10 +368,11 @@ class ClusterRun:
         """A straggler burst goes to each of its workers' control files (`BurstControl`)."""
         post_burst(self.run_dir, event)
 
-    def _follow(self, timeline: Timeline, writer: RunWriter,
+    def _follow(self, timeline: Timeline, replay: LinkReplay, writer: RunWriter,
                 on_update: Callable[[list[WorkerState]], None]) -> None:
-        """Until every worker ended: apply their reports, start the timeline once the workers
-        are ready to train (time zero of its `at`s), fire step events at the slowest worker's
+        """Until every worker ended: apply their reports, start the timeline and the traced
+        links' replay once the workers are ready to train (time zero of its `at`s), fire step
+        events at the slowest worker's
         next step, and show the state."""
         fired = -1
         started = False
@@ -380,6 +390,8 @@ class ClusterRun:
             running = [w for w in self.workers if w.status in ("starting", "running")]
             if not started and any(w.ready for w in self.workers):
                 timeline.start(offset=writer.now())
+                if replay:
+                    replay.start()
                 writer.event("training", workers=[w.rank for w in self.workers if w.ready])
                 started = True
             if running and started:

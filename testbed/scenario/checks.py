@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from netem.profile import ProfileError
+from netem.trace import TraceError
 from testbed.collectives import registry
 from testbed.scenario.fields import Loc
 from testbed.scenario.links import ALL, LinkState, run_order
@@ -75,6 +76,12 @@ def _topology(scenario: Scenario) -> Iterator[tuple[Loc, str]]:
                 yield (("topology", "links", j), f"{link.describe()} sets {s}->{d} like "
                        f"links[{i}], with the same precedence: merge them or name a worker")
                 break
+        if link.trace is not None:
+            base = link.profile if link.profile is not None else scenario.topology.default
+            try:
+                link.trace.schedule().profiles(base)
+            except TraceError as error:
+                yield ("topology", "links", j, "trace"), str(error)
 
 
 def _timeline(scenario: Scenario) -> Iterator[tuple[Loc, str]]:

@@ -61,10 +61,11 @@ def load_scenario(source: str | Path, *, steps: int | None = None,
                   base_dir: str | Path | None = None, files: bool = False) -> Scenario:
     """Validate a scenario from a path (`Path`, or a string naming an existing `.yaml`/`.yml`
     file) or from YAML text. A file without `name` is named after it; `steps` shortens the job
-    (`Scenario.with_steps`). A samples distribution's file (`distribution: {samples: FILE}`) is
-    relative to `base_dir`: by default the scenario file's directory (YAML text: the current
-    directory). With `files`, a command job's directory, program and script must be there too
-    (`job_files.missing_files`), as where the scenario is about to run or be checked."""
+    (`Scenario.with_steps`). A samples distribution's file (`distribution: {samples: FILE}`)
+    and a link trace's (`trace: {file: FILE}`) are relative to `base_dir`: by default the
+    scenario file's directory (YAML text: the current directory). With `files`, a command
+    job's directory, program and script must be there too (`job_files.missing_files`), as
+    where the scenario is about to run or be checked."""
     path: Path | None = None
     if isinstance(source, Path) or (
         "\n" not in source and source.endswith((".yaml", ".yml"))
@@ -86,7 +87,7 @@ def load_scenario(source: str | Path, *, steps: int | None = None,
         data = {"name": path.stem, **data}
     base = base_dir if base_dir is not None else path.parent if path is not None else None
     if base is not None:
-        data = {section: _samples_under(value, Path(base)) if section in LINK_SECTIONS else value
+        data = {section: _files_under(value, Path(base)) if section in LINK_SECTIONS else value
                 for section, value in data.items()}
     try:
         scenario = Scenario.model_validate(data, context=HUMAN)
@@ -105,17 +106,19 @@ def load_scenario(source: str | Path, *, steps: int | None = None,
             from None
 
 
-def _samples_under(data: Any, base: Path) -> Any:
+def _files_under(data: Any, base: Path) -> Any:
     """`data` with the file of every samples distribution (`distribution: {samples: FILE}`, a
-    link's or a slot's) relative to `base` instead of the current directory."""
+    link's or a slot's) and of every link trace (`trace: {file: FILE}`) relative to `base`
+    instead of the current directory."""
     if isinstance(data, list):
-        return [_samples_under(item, base) for item in data]
+        return [_files_under(item, base) for item in data]
     if not isinstance(data, dict):
         return data
-    found = {key: _samples_under(value, base) for key, value in data.items()}
-    given = found.get("distribution")
-    if isinstance(given, dict) and isinstance(given.get("samples"), str):
-        found["distribution"] = {**given, "samples": str(base / given["samples"])}
+    found = {key: _files_under(value, base) for key, value in data.items()}
+    for key, field in (("distribution", "samples"), ("trace", "file")):
+        given = found.get(key)
+        if isinstance(given, dict) and isinstance(given.get(field), str):
+            found[key] = {**given, field: str(base / given[field])}
     return found
 
 

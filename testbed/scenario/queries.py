@@ -12,7 +12,7 @@ from pydantic import ValidationError
 from netem.profile import LinkProfile
 from testbed.scenario.fields import Problems, dotted
 from testbed.scenario.sections import AUTO, CommandJob, Placement, WorkerOverride
-from testbed.scenario.topology import resolve_link
+from testbed.scenario.topology import LinkTrace, resolve_link, resolve_trace
 from testbed.train.config import TrainConfig
 from testbed.train.stragglers import StragglerSpec
 
@@ -81,6 +81,12 @@ class ScenarioQueries:
             for s in range(self.count) for d in range(self.count) if s != d
         }
 
+    def traces(self) -> dict[tuple[int, int], LinkTrace]:
+        """The directed links that replay a trace (`topology.links[].trace`), and its trace."""
+        found = {(s, d): resolve_trace(self.topology, s, d)
+                 for s in range(self.count) for d in range(self.count) if s != d}
+        return {pair: trace for pair, trace in found.items() if trace is not None}
+
     def capture_pairs(self) -> list[tuple[int, int]]:
         """The directed links (src, dst) a run captures, each once."""
         return self.capture.pairs(self.topology.groups, self.count)
@@ -135,6 +141,8 @@ class ScenarioQueries:
             network.append(f"groups {', '.join(self.topology.groups)}")
         if self.topology.links:
             network.append(f"{len(self.topology.links)} link override(s)")
+        if traced := self.traces():
+            network.append(f"{len(traced)} link(s) replaying a trace")
         actions = sorted({event.action for event in self.timeline})
         compressor = self.collective.compressor.kind
         compression = "" if compressor == "none" else f"+{compressor}"

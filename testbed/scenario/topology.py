@@ -6,7 +6,8 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Callable, Mapping
-from typing import Annotated, Any
+from pathlib import Path
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -17,7 +18,15 @@ from pydantic import (
     model_validator,
 )
 
-from netem.profile import LinkProfile
+from netem.profile import LinkProfile, Seconds
+from netem.trace import (
+    DEFAULT_RESOLUTION,
+    MIN_RESOLUTION,
+    Schedule,
+    TraceError,
+    load_trace,
+    schedule,
+)
 from testbed.scenario.fields import Congestion, Endpoint, GroupName, Section, WorkerIndex
 from testbed.scenario.links import ALL
 
@@ -104,15 +113,65 @@ def link_text(value: Any) -> Any:
 LinkText = Annotated[Selector, BeforeValidator(link_text)]
 
 
-class Link(Selector):
-    """A profile for some links, overriding the default (and less specific links)."""
+class LinkTrace(Section):
+    """A recorded trace the link replays from the start of training (docs/conditions.md): its
+    values (a Mahimahi trace's capacity; a CSV's rate, delay, jitter, loss) replace the link
+    profile's, window by window; the profile's other fields stay."""
 
-    profile: LinkProfile
+    file: str = Field(description="The trace file (relative to the scenario's directory).")
+    format: Literal["mahimahi", "csv"] | None = Field(
+        default=None, description="mahimahi (a line per 1,500-byte delivery opportunity, its "
+        "millisecond) or csv (a row per change: time, rate, delay, jitter, loss). Default: csv "
+        "for a .csv file, else mahimahi.")
+    loop: bool = Field(default=True, description="Start again at the trace's end (false: the "
+                       "link goes back to its profile there).")
+    resolution: Annotated[Seconds, Field(ge=MIN_RESOLUTION)] = Field(
+        default=DEFAULT_RESOLUTION, description="How often the kernel's qdisc is changed in "
+        "place, e.g. 100ms (10 ms at least).")
+
+    @model_validator(mode="after")
+    def _readable(self) -> LinkTrace:
+        """The file is read and cut into windows now, so a bad line is refused with the
+        scenario (file:line, what is wrong)."""
+        self.schedule()
+        return self
+
+    def schedule(self) -> Schedule:
+        """The trace's values per window (read once per file, format and resolution)."""
+        path = Path(self.file)
+        try:
+            stamp = path.stat().st_mtime_ns
+        except OSError as error:
+            raise ValueError(f"{self.file}: {error.strerror}") from None
+        try:
+            return _schedule(str(path), self.format, self.resolution, stamp)
+        except TraceError as error:
+            raise ValueError(str(error)) from None
+
+
+@functools.lru_cache(maxsize=32)
+def _schedule(path: str, format: Literal["mahimahi", "csv"] | None, resolution: float,
+              stamp: int) -> Schedule:
+    """`schedule(load_trace(...))`, cached: a scenario is validated again when it is derived
+    (shortened, captured), and a long trace takes a while to read."""
+    del stamp  # part of the key only: a file changed since is read again
+    return schedule(load_trace(path, format), resolution)
+
+
+class Link(Selector):
+    """A profile for some links, overriding the default (and less specific links); with a
+    `trace` the links replay it on top of the profile (the default's, if none is given)."""
+
+    profile: LinkProfile | None = None
+    trace: LinkTrace | None = Field(default=None, description="A recorded trace the links "
+                                    "replay from the start of training, on top of the profile.")
 
     @model_validator(mode="after")
     def _selects(self) -> Link:
         if self.is_all:
             raise ValueError("give from and to, or between: the default covers every link")
+        if self.profile is None and self.trace is None:
+            raise ValueError("give a profile, a trace, or both")
         return self
 
 
@@ -131,17 +190,29 @@ class Topology(Section):
                                    "control (recorded with the run).")
 
 
-def resolve_link(topology: Topology, src: int, dst: int) -> LinkProfile:
-    """The profile of the directed link src -> dst: the most specific link that selects it
-    (worker->worker over worker->group over group->group), else the default. Validation makes
-    sure no two links select one pair with the same specificity, so the order does not matter."""
+def selecting(topology: Topology, src: int, dst: int) -> Link | None:
+    """The most specific link that selects the directed link src -> dst (worker->worker over
+    worker->group over group->group), if any. Validation makes sure no two links select one
+    pair with the same specificity, so the order does not matter."""
     best: Link | None = None
     for link in topology.links:
         if link.matches(topology.groups, src, dst) and (
             best is None or link.specificity > best.specificity
         ):
             best = link
-    return topology.default if best is None else best.profile
+    return best
+
+
+def resolve_link(topology: Topology, src: int, dst: int) -> LinkProfile:
+    """The profile of the directed link src -> dst: the selecting link's, else the default."""
+    best = selecting(topology, src, dst)
+    return topology.default if best is None or best.profile is None else best.profile
+
+
+def resolve_trace(topology: Topology, src: int, dst: int) -> LinkTrace | None:
+    """The trace the directed link src -> dst replays, if its selecting link has one."""
+    best = selecting(topology, src, dst)
+    return None if best is None else best.trace
 
 
 def _link_patch_model() -> type[BaseModel]:

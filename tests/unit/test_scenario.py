@@ -797,3 +797,50 @@ def test_check_takes_shipped_names_and_says_what_a_command_job_lacks(tmp_path: P
         assert result.exit_code == 2 and not entry["ok"], entry
         (problem,) = entry["problems"]
         assert problem["path"] == expected[0] and expected[1] in problem["message"], problem
+
+
+TRACED = """
+name: traced
+workers: 3
+topology:
+  default: {{loss: 1%}}
+  links:
+    - {{between: [0, 1], {link}}}
+job: {{model: mlp, steps: 5}}
+"""
+
+
+def test_traced_links_read_their_trace_relative_to_the_scenario(tmp_path: Path):
+    """A link with a trace and no profile replays it on top of the default; the file is the
+    scenario directory's; the summary counts the traced links."""
+    (tmp_path / "cap.csv").write_text("time,rate\n0,10mbit\n1s,2mbit\n2s,2mbit\n")
+    path = tmp_path / "traced.yaml"
+    path.write_text(TRACED.format(link="trace: {file: cap.csv, resolution: 50ms}"))
+    scenario = load_scenario(path)
+    traces = scenario.traces()
+    assert set(traces) == {(0, 1), (1, 0)}
+    assert traces[(0, 1)].file == str(tmp_path / "cap.csv")
+    assert scenario.link_profile(0, 1) == LinkProfile.parse(loss="1%")
+    plan = traces[(0, 1)].schedule()
+    assert (plan.resolution, plan.windows) == (0.05, 40)
+    assert "2 link(s) replaying a trace" in scenario.summary()
+    assert scenario.with_steps(2).traces() == traces  # derived scenarios keep them
+
+
+@pytest.mark.parametrize(("link", "where", "message"), [
+    ("trace: {file: cap.csv}", "topology.links[0].trace", "cap.csv:3: rate: expected a rate"),
+    ("trace: {file: none.csv}", "topology.links[0].trace", "No such file or directory"),
+    ("trace: {file: cap.csv, resolution: 1ms}", "topology.links[0].trace.resolution",
+     "greater than or equal to 0.01"),
+    ("trace: {file: cap.csv, format: pcap}", "topology.links[0].trace.format", "mahimahi"),
+    ("profile: null", "topology.links[0]", "give a profile, a trace, or both"),
+])
+def test_a_bad_trace_is_refused_naming_the_field_and_the_line(tmp_path: Path, link, where,
+                                                              message):
+    (tmp_path / "cap.csv").write_text("time,rate\n0,10mbit\n1s,fast\n")
+    path = tmp_path / "traced.yaml"
+    path.write_text(TRACED.format(link=link))
+    with pytest.raises(ScenarioError) as caught:
+        load_scenario(path)
+    problems = {problem.path: problem.message for problem in caught.value.problems}
+    assert where in problems and message in problems[where], problems
