@@ -35,7 +35,9 @@ from netem.probe import (
     probe,
 )
 from netem.profile import LinkProfile, ProfileError
+from netem.trace import TraceError
 from testbed.cluster.network import ClusterNetwork
+from testbed.cluster.replay import LinkReplay
 from testbed.pytest_plugin.requirements import lacking_netem, missing
 from testbed.scenario import Scenario, find_scenario, load_scenario
 
@@ -255,6 +257,7 @@ class NetemNetwork:
                 {self._cluster.links.pair(*pair): profile for pair, profile in spec.links.items()})
         self._on_unsupported = on_unsupported
         self._processes: list[subprocess.Popen[str]] = []
+        self._replays: list[LinkReplay] = []
         self._owner = os.getpid()
         self.hosts: list[NetemHost] = []
 
@@ -284,6 +287,9 @@ class NetemNetwork:
         if os.getpid() != self._owner:
             return
         try:
+            for replay in self._replays:
+                with contextlib.suppress(Exception):  # its error was the test's to see
+                    replay.stop()
             self._stop_processes()
         finally:
             self._cluster.close()
@@ -359,6 +365,36 @@ class NetemNetwork:
         new = as_profile({**base, **fields}, where=None if profile is None else "profile")
         self._shapeable(new)
         self._cluster.set_link(_index(src), _index(dst), new)
+
+    def replay(self, src: int | NetemHost, dst: int | NetemHost, trace: str | Path, *,
+               format: str | None = None, loop: bool = True,
+               resolution: float = 0.1) -> LinkReplay:
+        """Replay a recorded link trace (Mahimahi's or a CSV of changes, docs/conditions.md) on
+        the link src -> dst from now, on top of its profile, every `resolution` seconds in
+        place; looping unless `loop` is False (then the link goes back to its profile at the
+        trace's end). Ends with the network, or at `stop()` of what it returns (which also
+        raises the error of a change that failed). A bad trace raises ValueError naming the
+        file, line and field."""
+        __tracebackhide__ = True
+        from pydantic import ValidationError
+
+        from testbed.scenario.topology import LinkTrace
+
+        pair = self._cluster.links.pair(_index(src), _index(dst))
+        try:
+            spec = LinkTrace(file=str(trace), format=format, loop=loop, resolution=resolution)
+            profiles, _ = spec.schedule().profiles(self._cluster.links.current(*pair))
+        except ValidationError as error:
+            raise ValueError("; ".join(f"{'.'.join(map(str, item['loc'])) or 'trace'}: "
+                                       f"{item['msg'].removeprefix('Value error, ')}"
+                                       for item in error.errors())) from None
+        except TraceError as error:
+            raise ValueError(str(error)) from None
+        for profile in profiles:
+            self._shapeable(profile)
+        replay = LinkReplay(self._cluster, {pair: spec}).start()
+        self._replays.append(replay)
+        return replay
 
     def partition(self, links: Iterable[tuple[int | NetemHost, int | NetemHost]]) -> None:
         """Cut these directed links (100% loss): `[(0, 1), (1, 0)]` cuts both ways."""

@@ -158,6 +158,39 @@ def test_links_change_and_partition_and_heal_during_a_test(pytester: pytest.Pyte
     result.assert_outcomes(passed=1)
 
 
+def test_a_link_replays_a_trace_during_a_test(pytester: pytest.Pytester):
+    """`network.replay`: the link takes the trace's values in turn on top of its profile, goes
+    back to it when a trace that does not loop ends, and a bad trace names its line."""
+    pytester.makefile(".csv", step="time,rate\n0,20mbit\n300ms,5mbit\n600ms,5mbit\n",
+                      bad="time,rate\n0,20mbit\n1s,quick\n")
+    user_suite(pytester, """
+        import time
+        import pytest
+        from netem import LinkProfile
+
+        def wait_until(condition, what):
+            deadline = time.monotonic() + 10
+            while not condition():
+                assert time.monotonic() < deadline, f"never saw {what}"
+                time.sleep(0.02)
+
+        def test_replay(make_netem_network):
+            network = make_netem_network(2, loss="1%")
+            replay = network.replay(0, 1, "step.csv", loop=False)
+            assert network.profile(0, 1) == LinkProfile.parse(loss="1%", rate="20mbit")
+            wait_until(lambda: network.profile(0, 1).rate == 5_000_000, "the second window")
+            wait_until(lambda: network.profile(0, 1) == LinkProfile.parse(loss="1%"),
+                       "the link's own profile at the trace's end")
+            replay.stop()
+            assert replay.summary()["changes"] == 2
+            assert network.profile(1, 0) == LinkProfile.parse(loss="1%")
+            with pytest.raises(ValueError, match="bad.csv:3: rate"):
+                network.replay(1, 0, "bad.csv")
+    """)
+    result = pytester.runpytest_subprocess(timeout=TIMEOUT)
+    result.assert_outcomes(passed=1)
+
+
 def test_measuring_a_link_gets_the_configured_loss_and_rate(pytester: pytest.Pytester):
     user_suite(pytester, """
         import pytest
