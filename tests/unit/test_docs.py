@@ -76,7 +76,19 @@ YAML_OTHER = {
     ("scenarios.md", "# yaml-language-server: $schema=scenario.schema.json"):
         "an editor's comment line: no YAML of its own",
     ("grafana.md", "# prometheus.yml"): "Prometheus's own configuration, not the testbed's",
+    ("conditions.md", "topology:"): lambda data: _with_test_traces(data),
 }
+TEST_DATA = Path(__file__).parents[1] / "data"
+
+
+def _with_test_traces(data: dict) -> dict:
+    """An example's scenario with each link trace's file one of tests/data's traces of the
+    same format, as the reader's own files are not here."""
+    for link in data["topology"]["links"]:
+        name = link["trace"]["file"]
+        link["trace"]["file"] = str(TEST_DATA / ("step.csv" if name.endswith(".csv")
+                                                 else "step.mahimahi"))
+    return data
 
 
 def _merged(base: dict, over: dict) -> dict:
@@ -203,6 +215,7 @@ PYTHON_SKIPPED = {
     ("README.md", "model.register_comm_hook(None, testbed.ddp.scenario_hook())"): FRAGMENT,
     ("README.md", "from netem import LinkProfile, apply, show, clear"): ROOT_NEEDED,
     ("README.md", '@pytest.mark.netem(delay="50ms", loss="5%")'): PYTEST,
+    ("conditions.md", "def test_training_over_a_cellular_uplink(make_netem_network):"): PYTEST,
     ("capture.md", "from netem.lab import Lab"): ROOT_NEEDED,
     ("cluster.md", "with ClusterNetwork(scenario) as network:"): FRAGMENT,
     ("collectives.md", "averaged, stats = collective.allreduce(tensor, step)"): FRAGMENT,
