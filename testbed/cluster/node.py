@@ -45,6 +45,7 @@ import netem
 from netem.profile import LinkProfile
 from testbed.cluster.exchange import serve_run_store
 from testbed.cluster.relay import TARGETS_FILE, target_groups
+from testbed.cluster.replay import LinkReplay
 from testbed.cluster.shaped import ShapedNetwork
 from testbed.cluster.timeline import Timeline
 from testbed.cluster.worker import (
@@ -235,6 +236,9 @@ class Node:
         self._client: Any = None
         self._writer: Any = None
         self._timeline: Timeline | None = None
+        # The traced links into this worker: each worker replays its own (docs/conditions.md).
+        self._replay = LinkReplay(self.network, {
+            pair: trace for pair, trace in self.scenario.traces().items() if pair[1] == rank})
         self._rejoin = False
         self.run_dir = runs
 
@@ -271,7 +275,12 @@ class Node:
         finally:
             if self._timeline is not None:
                 self._timeline.stop()
-            self.network.close()
+            try:
+                self._replay.stop()
+            finally:
+                if self._replay.origin is not None and self._writer is not None:
+                    self._writer.event("replay", rank=self.rank, **self._replay.summary())
+                self.network.close()
 
     def _resolve(self) -> None:
         """The workers' addresses (names resolved), the interface to shape (`auto`: the one
@@ -398,6 +407,10 @@ class Node:
                                   on_kill=self._kill, on_restart=self._restart,
                                   on_straggler_burst=self._burst)
         self._timeline.start(origin=origin)
+        if self._replay:
+            self._replay.on_change = lambda pairs, _: post_links(
+                self.run_dir, {"pairs": pairs}, self.network.links.effective, only=self.rank)
+            self._replay.start(elapsed=time.time() - origin)
 
     def _is_past(self, event: Event, passed: float) -> bool:
         if event.at is not None:

@@ -69,16 +69,31 @@ class LinkReplay:
     def __bool__(self) -> bool:
         return bool(self._links)
 
-    def start(self) -> LinkReplay:
-        """Set every traced link's first window now, and replay the rest on a thread."""
-        first = {link.pair: link.profiles[int(link.windows[0])] for link in self._links}
-        if first:
-            self.network.set_links(first)
-        self.origin = time.monotonic()
-        self._thread = threading.Thread(target=self._run, args=(self.origin,), daemon=True,
-                                        name="link replay")
+    def start(self, elapsed: float = 0.0) -> LinkReplay:
+        """Set every traced link's window now, and replay the rest on a thread. `elapsed`:
+        seconds since the replay's time zero (a Compose worker that rejoins a running run
+        joins its traces where the others are)."""
+        self.origin = time.monotonic() - max(elapsed, 0.0)
+        now = time.monotonic() - self.origin
+        first = [int(now // link.trace.resolution) for link in self._links]
+        current = {link.pair: self._wanted(link, index)
+                   for link, index in zip(self._links, first, strict=True)}
+        if current:
+            self.network.set_links({link.pair: link.profiles[current[link.pair]]
+                                    for link in self._links})
+        self._thread = threading.Thread(target=self._run, args=(self.origin, first, current),
+                                        daemon=True, name="link replay")
         self._thread.start()
         return self
+
+    @staticmethod
+    def _wanted(link: _Traced, index: int) -> int:
+        """Which of the link's profiles window `index` sets: the trace's, looping, or the
+        link's own once a trace that does not loop has ended."""
+        count = len(link.windows)
+        if index >= count and not link.trace.loop:
+            return len(link.profiles) - 1
+        return int(link.windows[index % count])
 
     def stop(self) -> None:
         """End the replay (idempotent); raises the error of a change that failed."""
@@ -100,11 +115,11 @@ class LinkReplay:
                 "late_p99_seconds": float(np.percentile(late, 99)),
                 "late_max_seconds": float(late.max())}
 
-    def _run(self, origin: float) -> None:
-        current = {link.pair: int(link.windows[0]) for link in self._links}
+    def _run(self, origin: float, first: list[int], current: dict[Pair, int]) -> None:
         # (when window `index` of link `number` is due, index, number): one heap for all.
-        due = [(origin + link.trace.resolution, 1, number)
-               for number, link in enumerate(self._links)]
+        due = [(origin + (index + 1) * link.trace.resolution, index + 1, number)
+               for number, (link, index) in enumerate(zip(self._links, first, strict=True))
+               if link.trace.loop or index < len(link.windows)]
         heapq.heapify(due)
         try:
             while due:
@@ -121,10 +136,8 @@ class LinkReplay:
                     if reached > index:  # a change before overran whole windows
                         self.skipped += reached - index
                         index = reached
-                    if index >= count and not link.trace.loop:
-                        wanted = len(link.profiles) - 1  # the trace ended: its own profile
-                    else:
-                        wanted = int(link.windows[index % count])
+                    wanted = self._wanted(link, index)
+                    if link.trace.loop or index < count:  # else: ended, at its own profile
                         heapq.heappush(due, (origin + (index + 1) * step, index + 1, number))
                     if wanted != current[link.pair]:
                         changes[link.pair] = link.profiles[wanted]

@@ -42,6 +42,7 @@ A stack cannot build: its images are used by name (`WORKER_IMAGE`, `PROMETHEUS_I
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -50,13 +51,16 @@ from testbed.compose.project import (
     GRAFANA_DASHBOARDS,
     GRAFANA_PORT,
     KEY_COPY,
+    MONITORING_FILE,
     PROMETHEUS_CONFIG,
     PROMETHEUS_PORT,
     ROOT,
     SCENARIO_COPY,
+    STACK_FILE,
     WORKER_IMAGE,
     ComposeError,
     check_scenario,
+    data_files,
     dump,
     grafana_service,
     job_directory,
@@ -69,7 +73,6 @@ from testbed.compose.project import (
 from testbed.compose.project import default_directory as compose_directory
 from testbed.scenario.model import Scenario
 
-STACK_FILE, MONITORING_FILE = "docker-stack.yaml", "docker-stack-monitoring.yaml"
 VERSION = "3.8"
 OVERLAY_MTU = 1450  # a 1500-byte underlay less VXLAN's 50 bytes: Docker's default
 Place = Literal["groups", "workers", "none"]
@@ -145,9 +148,10 @@ def _network(scenario: Scenario, subnet: str | None) -> dict[str, Any]:
 
 def swarm_stack(scenario: Scenario, directory: Path, *, steps: int | None = None,
                 place: Place = "groups", runs: str = "./runs", job_files: str | None = None,
-                subnet: str | None = None) -> dict[str, Any]:
+                subnet: str | None = None, data: Sequence[str] = ()) -> dict[str, Any]:
     """The workers' stack (as a dict) for `scenario`, whose files (`write_files`) are in
-    `directory`: the configs and the secret are named by their content there. `runs`: the run
+    `directory`: the configs and the secret are named by their content there; `data`: the
+    scenario's data files there (`data_files`), each a config beside the scenario's. `runs`: the run
     directory's host path (relative: to the stack file); `job_files`: a command job's
     directory, relative to `directory`, bound read-only at /job; `subnet`: the overlay's
     (None: Swarm's choice)."""
@@ -159,6 +163,13 @@ def swarm_stack(scenario: Scenario, directory: Path, *, steps: int | None = None
                            "without --swarm, or without gpus")
     names = [service_name(rank) for rank in range(scenario.count)]
     scenario_config = _digest_name("scenario", directory / SCENARIO_COPY)
+    configs = {scenario_config: {"file": f"./{SCENARIO_COPY}"}}
+    mounted = [{"source": scenario_config, "target": f"/scenario/{SCENARIO_COPY}",
+                "mode": READ_ONLY}]
+    for file in data:
+        name = _digest_name("data", directory / file)
+        configs[name] = {"file": f"./{file}"}
+        mounted.append({"source": name, "target": f"/scenario/{file}", "mode": READ_ONLY})
     secrets: dict[str, Any] = {}
     if scenario.authenticates("compose"):
         secrets[_digest_name("key", directory / KEY_COPY)] = {"file": f"./{KEY_COPY}"}
@@ -173,8 +184,7 @@ def swarm_stack(scenario: Scenario, directory: Path, *, steps: int | None = None
             "init": True,
             "stop_grace_period": "5s",
             "labels": worker_labels(scenario, rank),
-            "configs": [{"source": scenario_config, "target": f"/scenario/{SCENARIO_COPY}",
-                         "mode": READ_ONLY}],
+            "configs": mounted,
             **({"secrets": [{"source": name, "target": KEY_FILE.name, "mode": OWNER_ONLY}
                             for name in secrets]} if secrets else {}),
             "volumes": [_bind(runs, "/runs"),
@@ -186,7 +196,7 @@ def swarm_stack(scenario: Scenario, directory: Path, *, steps: int | None = None
         }
         services[service_name(rank)] = service
     return {"version": VERSION, "services": services, "networks": _network(scenario, subnet),
-            "configs": {scenario_config: {"file": f"./{SCENARIO_COPY}"}},
+            "configs": configs,
             **({"secrets": secrets} if secrets else {})}
 
 
@@ -250,7 +260,8 @@ def write_stack(scenario_path: Path, out: Path, *, steps: int | None = None,
     job_files = job_directory(scenario, scenario_path, out)
     stack, monitoring = out / STACK_FILE, out / MONITORING_FILE
     stack.write_text(dump(swarm_stack(scenario, out, steps=steps, place=place, runs=bound,
-                                      job_files=job_files, subnet=subnet)))
+                                      job_files=job_files, subnet=subnet,
+                                      data=data_files(scenario, scenario_path.parent))))
     monitoring.write_text(dump(monitoring_stack(scenario, out, runs=bound, grafana=grafana,
                                                 subnet=subnet)))
     return stack, monitoring

@@ -177,6 +177,56 @@ def test_a_command_jobs_cwd_outside_the_scenarios_directory_is_refused(tmp_path:
         write_project(path, tmp_path / "out")
 
 
+TRACED = """name: traced
+workers: 2
+topology:
+  links:
+    - {{between: [0, 1], trace: {{file: {trace}}},
+       profile: {{delay: 10ms, jitter: 2ms, distribution: {{samples: {samples}, unit: ms}}}}}}
+job: {{model: mlp, steps: 10}}
+"""
+
+
+def test_a_scenarios_data_files_are_copied_beside_its_copy_and_mounted_there(tmp_path: Path):
+    """A trace and a delay-samples file under the scenario's directory: each is copied to its
+    place beside the scenario's copy, mounted beside it in every worker, and a Swarm stack
+    carries each as a config; the project is in step with its scenario."""
+    from testbed.compose.swarm import write_stack
+
+    (tmp_path / "traces").mkdir()
+    (tmp_path / "traces" / "cell.csv").write_text("time,rate\n0,10mbit\n1s,2mbit\n2s,\n")
+    (tmp_path / "delays.txt").write_text("\n".join(str(10 + i % 7) for i in range(200)))
+    path = tmp_path / "traced.yaml"
+    path.write_text(TRACED.format(samples="delays.txt",
+                                  trace="traces/cell.csv"))
+    out = tmp_path / "out"
+    project = yaml.safe_load(write_project(path, out).read_text())
+    for name in ("traces/cell.csv", "delays.txt"):
+        assert (out / name).read_text() == (tmp_path / name).read_text()
+        for rank in range(2):
+            assert f"./{name}:/scenario/{name}:ro" in project["services"][
+                service_name(rank)]["volumes"]
+    assert check_compose(out) == []
+    stack, _ = write_stack(path, tmp_path / "swarm")
+    services = yaml.safe_load(stack.read_text())["services"]
+    targets = {config["target"] for config in services[service_name(1)]["configs"]}
+    assert targets == {f"/scenario/{SCENARIO_COPY}", "/scenario/traces/cell.csv",
+                       "/scenario/delays.txt"}
+
+
+def test_a_data_file_outside_the_scenarios_directory_is_refused(tmp_path: Path):
+    (tmp_path / "cell.csv").write_text("time,rate\n0,10mbit\n1s,\n")
+    (tmp_path / "delays.txt").write_text("\n".join(str(10 + i % 7) for i in range(200)))
+    (tmp_path / "scenarios").mkdir()
+    path = tmp_path / "scenarios" / "traced.yaml"
+    path.write_text(TRACED.format(samples="../delays.txt",
+                                  trace="../cell.csv"))
+    load_scenario(path)  # fine where it runs in namespaces
+    with pytest.raises(ComposeError, match=r"topology\.links\[0\]\.(profile\.distribution\.samples|"
+                                           r"trace\.file): .* is outside the scenario's directory"):
+        write_project(path, tmp_path / "out")
+
+
 def test_a_node_shapes_only_links_into_it_and_cuts_and_heals_them():
     scenario = load_scenario(scenario_files()[0])
     hosts = worker_addresses(scenario.count)
