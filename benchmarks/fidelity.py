@@ -43,6 +43,7 @@ HEADLINE = {  # profile field -> the checks that measure it
     "cell_size": ("rate",),
     "distribution": ("delay mean", "jitter (stdev)", *(f"delay p{p}" for p in PERCENTILES)),
     "slot": ("slot wait",),
+    "ecn": ("loss", "CE marks"),
 }
 SAMPLES = REPO / "benchmarks" / "data" / "delays-lognormal.txt"  # its header says how it was made
 
@@ -93,6 +94,8 @@ NETEM_CASES = (
     Case("delay distribution from heavy-tailed samples (lognormal)",
          {"distribution": {"samples": str(SAMPLES), "unit": "ms"}}, count=10_000),
     Case("IPv6: delay 20ms loss 10%", {"delay": "20ms", "loss": "10%"}, count=10_000, family=6),
+    # ECN-capable probes (ECT(0)) on a link that marks CE where its loss model says "lose".
+    Case("ECN: loss 10% marked, not dropped", {"loss": "10%", "ecn": True}, count=10_000),
     Case(
         "WAN: delay 40ms jitter 8ms loss 2% rate 50mbit",
         {"delay": "40ms", "jitter": "8ms", "loss": "2%", "rate": "50mbit"},
@@ -136,6 +139,7 @@ def run_cases(cases: tuple[Case, ...], backend: str) -> list[Outcome]:
                 interval=case.interval,
                 rate_duration=1.0 if profile.rate else 0.0,
                 offered_rate=offered_load(profile),
+                ecn=profile.ecn,
             )
             seconds = time.monotonic() - start
         outcome = Outcome(case.name, backend, platform.release(), result.sent, seconds)
@@ -201,7 +205,8 @@ def report(outcomes: list[Outcome], guest: str, run: Run) -> str:
                 + f". netem ran in: {guest}."),
             "Each case builds a fresh lab (two namespaces on a bridge), shapes the link into h1",
             "on the switch-side port, and sends a timed probe train from h0 (UDP over IPv4, over",
-            "IPv6 where the case says so; the stated number of probes of 128 bytes, 1024 for",
+            "IPv6 where the case says so, ECN-capable where the link has ecn; the stated number",
+            "of probes of 128 bytes, 1024 for",
             "corruption, every 400 us; every 800 us for the packet-overhead case, every 100 us",
             "for the host's loss cases), plus a one-second bulk train for rates. The lab's veths",
             "run without segmentation offloads, so every frame is wire-sized; the guest's one",
