@@ -31,7 +31,7 @@ import select
 import socket
 import struct
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -394,12 +394,14 @@ def run_train(
 
 @dataclass(frozen=True)
 class RateResult:
-    """A bulk train: bits per second of frames arriving, over how many frames of what size."""
+    """A bulk train: bits per second of frames arriving, over how many frames of what size,
+    and when each arrived (the kernel's stamp, CLOCK_REALTIME ns: a rate over time)."""
 
     rate: float
     frames: int
     frame_bytes: int
     offered: float  # bits per second the sender achieved
+    arrivals_ns: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
 
 def measure_rate(
@@ -483,6 +485,7 @@ def measure_rate(
             frames=int(probes.sum()),
             frame_bytes=frame,
             offered=seq * frame * 8 / elapsed,
+            arrivals_ns=np.sort(recv_ns[probes]),
         )
     finally:
         receiver.close()
