@@ -227,7 +227,10 @@ def carry_out(plan: Plan, netns: str | None, *, change: bool) -> AppliedShaping:
             for step in plan.steps:
                 if not (change and step.structural):
                     run.step(step)
-            if change and not any(isinstance(step, NftLoss) for step in plan.steps):
+            # A change in place keeps the layout, the backend included: only the fallback's
+            # tree can have a drop rule left that the new profiles no longer want.
+            if change and plan.backend == "fallback" and not any(
+                    isinstance(step, NftLoss) for step in plan.steps):
                 _drop_nft(plan.iface, netns)
     except BaseException:
         clear(plan.iface, netns=netns)
