@@ -54,7 +54,7 @@ class LinkReplay:
                  ) -> None:
         self.network = network
         self.on_change = on_change
-        self._links = []
+        self._links: list[_Traced] = []
         for pair, trace in sorted(traces.items()):
             own = network.links.current(*pair)
             profiles, windows = trace.schedule().profiles(own)
