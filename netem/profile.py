@@ -45,6 +45,9 @@ U32_MAX, U64_MAX = 2**32 - 1, 2**64 - 1
 MAX_S64_SECONDS = (2**63 - 1) // 10**9  # the whole seconds a signed 64-bit count of ns holds
 MAX_RATE = U64_MAX * 8 // 10**12 * 10**12  # bits/s: netem's u64 of bytes/s, in whole tbit
 TIMES = ("delay", "jitter", "min_delay", "max_delay")  # fields in seconds, shown with a unit
+# The ECN field (RFC 3168: the low two bits of IPv4's TOS, IPv6's traffic class): what `ecn`
+# marks (CE) on a packet that says it is ECN-capable (ECT(0)).
+ECN_MASK, ECT_0, ECN_CE = 0b11, 0b10, 0b11
 
 
 def _on_grid(value: float) -> float:

@@ -53,7 +53,7 @@ from netem.probe.wire import (
     decode,
     encode,
 )
-from netem.profile import LinkProfile
+from netem.profile import ECN_CE, ECN_MASK, ECT_0, LinkProfile
 
 DEFAULT_SIZE = 128  # UDP payload of a timed probe: small, so a 10 Mbit/s link is not congested
 DEFAULT_INTERVAL = 0.0004  # 2500 probes/s: a UML guest keeps up with this, sending and receiving
@@ -74,7 +74,6 @@ RECEIVE_BUFFER = 64 << 20  # holds a whole bulk train that is drained only after
 GSO_MAX_BYTES = 65_000
 GSO_MAX_SEGMENTS = 64
 _ANCILLARY = socket.CMSG_SPACE(16) + 2 * socket.CMSG_SPACE(4)
-ECN_MASK, ECT_0, ECN_CE = 0b11, 0b10, 0b11  # the ECN field: the low two bits of TOS / TCLASS
 
 
 @dataclass(frozen=True)
@@ -146,7 +145,7 @@ class _Receiver:
         self.lengths = np.zeros(capacity, dtype=np.int64)
         self.stamps = bytearray(16 * capacity)
         self.ecn = np.zeros(capacity, dtype=np.uint8)
-        self._class_of = {family.traffic_class}  # (level, type) of the cmsg that carries it
+        self._traffic_class = family.traffic_class  # (level, type) of the cmsg carrying it
         self.count = 0
         self.unread = 0
         self.drops = 0
@@ -174,7 +173,7 @@ class _Receiver:
                     self.stamps[16 * n : 16 * n + 16] = data[:16]
                 elif level == socket.SOL_SOCKET and kind == SO_RXQ_OVFL:
                     self.drops = struct.unpack("I", data[:4])[0]
-                elif (level, kind) in self._class_of and data and n < self.capacity:
+                elif (level, kind) == self._traffic_class and data and n < self.capacity:
                     self.ecn[n] = data[0] & ECN_MASK  # a byte (IPv4) or a host-order int (IPv6)
             if n >= self.capacity:
                 self.unread += 1

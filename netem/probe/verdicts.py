@@ -258,7 +258,7 @@ def _loss_check(configured: LinkProfile, result: ProbeResult) -> Check:
             result.loss_ratio,
             "netem's correlated generator does not keep the mean loss",
         )
-    header = configured.corrupt * (FRAME_OVERHEAD + HEADER.size) / result.frame_bytes
+    header = _header_hit(configured, result)
     if _marking(configured, result):
         return _binomial("loss", header, result.loss_ratio, result.sent,
                          "the link marks CE what its loss model takes (ecn)")
@@ -287,9 +287,15 @@ def _marked_check(configured: LinkProfile, result: ProbeResult) -> Check:
     if configured.loss_correlation > 0:
         return _skipped("CE marks", "ratio", result.marked_ratio,
                         "netem's correlated generator does not keep the mean loss")
-    header = configured.corrupt * (FRAME_OVERHEAD + HEADER.size) / result.frame_bytes
-    return _chain_check("CE marks", configured, configured.mean_loss * (1 - header),
+    kept = 1 - _header_hit(configured, result)
+    return _chain_check("CE marks", configured, configured.mean_loss * kept,
                         result.marked_ratio, result.sent)
+
+
+def _header_hit(configured: LinkProfile, result: ProbeResult) -> float:
+    """The share of probes whose flipped bit (netem's one per corrupted frame) lands in the
+    frame's headers or the probe's: lost, as the kernel drops them or their number is gone."""
+    return configured.corrupt * (FRAME_OVERHEAD + HEADER.size) / result.frame_bytes
 
 
 def _burst_check(configured: LinkProfile, result: ProbeResult) -> Check:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from netem.profile import ECN_CE, ECN_MASK
 from testbed.transport.errors import TransportError
 
 
@@ -53,7 +54,6 @@ CMSG_HEADER = 16
 CONTROL_BYTES = 32
 TRAFFIC_CLASS_MESSAGES = ((socket.IPPROTO_IP, socket.IP_TOS),
                           (socket.IPPROTO_IPV6, socket.IPV6_TCLASS))
-ECN_CE = 0b11  # the ECN field (low two bits of TOS / TCLASS) of a packet marked CE
 MSG_DONTWAIT = socket.MSG_DONTWAIT
 
 
@@ -158,7 +158,7 @@ class ReceiveRing:
         for want_level, want_kind in TRAFFIC_CLASS_MESSAGES:
             carried |= (level == want_level) & (kind == want_kind)
         carried &= self._controllen[:count] > CMSG_HEADER
-        return carried & ((control[:, CMSG_HEADER] & 0b11) == ECN_CE)
+        return carried & ((control[:, CMSG_HEADER] & ECN_MASK) == ECN_CE)
 
 
 @dataclass(frozen=True)

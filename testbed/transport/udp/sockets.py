@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import socket
 
+from netem.profile import ECT_0
+
 SO_SNDBUFFORCE, SO_RCVBUFFORCE = 32, 33  # Linux; beyond rmem_max/wmem_max, needs CAP_NET_ADMIN
 # Never fragment (one lost fragment loses the datagram): a datagram too large for the path is
 # refused with EMSGSIZE, so a wrong `mtu` is an error at once instead of silent fragmentation.
 IP_MTU_DISCOVER, IPV6_MTU_DISCOVER, PMTUDISC_DO = 10, 23, 2
-ECT_0 = 0b10  # the ECN field of an ECN-capable packet (RFC 3168's ECT(0))
 
 
 def datagram_socket(address: tuple[str, int], *, ipv6: bool, rcvbuf: int, sndbuf: int,
