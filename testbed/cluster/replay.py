@@ -69,6 +69,10 @@ class LinkReplay:
     def __bool__(self) -> bool:
         return bool(self._links)
 
+    def profiles(self) -> list[LinkProfile]:
+        """Every profile the replay may set (each traced link's windows', and its own)."""
+        return [profile for link in self._links for profile in link.profiles]
+
     def start(self, elapsed: float = 0.0) -> LinkReplay:
         """Set every traced link's window now, and replay the rest on a thread. `elapsed`:
         seconds since the replay's time zero (a Compose worker that rejoins a running run

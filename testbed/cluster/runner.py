@@ -350,6 +350,7 @@ class ClusterRun:
         """A preempted worker comes back and rejoins where the live ones are by then (unless
         the job is over: then it is done, with nothing to rejoin)."""
         for rank in ranks:
+            self.workers[rank].restarts += 1
             with self._lock:
                 over = self._job_over(rank)
                 if over:
@@ -357,11 +358,9 @@ class ClusterRun:
                     self._late.add(rank)
                     self.workers[rank].status = "done"
             if over:
-                self.workers[rank].restarts += 1
                 continue
             spec = WorkerSpec.from_json(self._spec_path(rank).read_text())
             self._spec_path(rank).write_text(dataclasses.replace(spec, rejoin=True).to_json())
-            self.workers[rank].restarts += 1
             self._start(rank)
 
     def _burst(self, event: Event) -> None:
@@ -372,8 +371,7 @@ class ClusterRun:
                 on_update: Callable[[list[WorkerState]], None]) -> None:
         """Until every worker ended: apply their reports, start the timeline and the traced
         links' replay once the workers are ready to train (time zero of its `at`s), fire step
-        events at the slowest worker's
-        next step, and show the state."""
+        events at the slowest worker's next step, and show the state."""
         fired = -1
         started = False
         while True:

@@ -38,6 +38,7 @@ from testbed.cluster.node import KEY_FILE, preempting, restarted_workers, servic
 from testbed.cluster.relay import TARGETS_FILE
 from testbed.cluster.worker import PORTS
 from testbed.scenario import load_scenario
+from testbed.scenario.load import map_data_files
 from testbed.scenario.model import Scenario
 from testbed.scenario.sections import ALL_GPUS
 from testbed.transport.auth import write_key
@@ -101,20 +102,11 @@ def data_files(scenario: Scenario, base: Path) -> list[str]:
     outside the directory, or where the project keeps a file of its own, is a ComposeError."""
     found: set[str] = set()
 
-    def walk(data: Any, where: str) -> None:
-        if isinstance(data, list):
-            for index, item in enumerate(data):
-                walk(item, f"{where}[{index}]")
-        if not isinstance(data, dict):
-            return
-        for key, value in data.items():
-            walk(value, f"{where}.{key}" if where else key)
-        for key, field in (("distribution", "samples"), ("trace", "file")):
-            given = data.get(key)
-            if isinstance(given, dict) and isinstance(given.get(field), str):
-                found.add(_inside(base, given[field], f"{where}.{key}.{field}"))
+    def note(where: str, file: str) -> str:
+        found.add(_inside(base, file, where))
+        return file
 
-    walk(scenario.model_dump(by_alias=True, exclude_defaults=True), "")
+    map_data_files(scenario.model_dump(by_alias=True, exclude_defaults=True), note)
     return sorted(found)
 
 
@@ -194,9 +186,8 @@ def compose_project(scenario: Scenario, *, steps: int | None = None, subnet: str
     `job_files`: a command job's working directory (`job_working_directory`), relative to the
     project's, mounted read-only in every worker where the job runs (`job_target`); `data`:
     the scenario's data files (`data_files`), beside its copy, each mounted read-only beside
-    it in every worker. The
-    workers share one `build` and one `healthcheck` object, which the file writes once and
-    refers to."""
+    it in every worker. The workers share one `build` and one `healthcheck` object, which the
+    file writes once and refers to."""
     check_scenario(scenario)
     authenticates = scenario.authenticates("compose")
     hosts = worker_addresses(scenario.count, subnet)

@@ -151,8 +151,8 @@ def swarm_stack(scenario: Scenario, directory: Path, *, steps: int | None = None
                 subnet: str | None = None, data: Sequence[str] = ()) -> dict[str, Any]:
     """The workers' stack (as a dict) for `scenario`, whose files (`write_files`) are in
     `directory`: the configs and the secret are named by their content there; `data`: the
-    scenario's data files there (`data_files`), each a config beside the scenario's. `runs`: the run
-    directory's host path (relative: to the stack file); `job_files`: a command job's
+    scenario's data files there (`data_files`), each a config beside the scenario's. `runs`:
+    the run directory's host path (relative: to the stack file); `job_files`: a command job's
     directory, relative to `directory`, bound read-only at /job; `subnet`: the overlay's
     (None: Swarm's choice)."""
     check_scenario(scenario)

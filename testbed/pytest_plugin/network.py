@@ -378,22 +378,22 @@ class NetemNetwork:
         __tracebackhide__ = True
         from pydantic import ValidationError
 
+        from testbed.scenario.fields import dotted
+        from testbed.scenario.messages import messages
         from testbed.scenario.topology import LinkTrace
 
         pair = self._cluster.links.pair(_index(src), _index(dst))
+        given = {"file": str(trace), "format": format, "loop": loop, "resolution": resolution}
         try:
-            spec = LinkTrace(file=str(trace), format=format, loop=loop, resolution=resolution)
-            profiles, _ = spec.schedule().profiles(self._cluster.links.current(*pair))
+            replay = LinkReplay(self._cluster, {pair: LinkTrace.model_validate(given)})
         except ValidationError as error:
-            raise ValueError("; ".join(f"{'.'.join(map(str, item['loc'])) or 'trace'}: "
-                                       f"{item['msg'].removeprefix('Value error, ')}"
-                                       for item in error.errors())) from None
-        except TraceError as error:
+            raise ValueError("; ".join(f"{dotted(where) or 'trace'}: {message}"
+                                       for where, message in messages(error, given))) from None
+        except TraceError as error:  # a window that makes no profile with the link's
             raise ValueError(str(error)) from None
-        for profile in profiles:
+        for profile in replay.profiles():
             self._shapeable(profile)
-        replay = LinkReplay(self._cluster, {pair: spec}).start()
-        self._replays.append(replay)
+        self._replays.append(replay.start())
         return replay
 
     def partition(self, links: Iterable[tuple[int | NetemHost, int | NetemHost]]) -> None:

@@ -15,7 +15,7 @@ from testbed.scenario.fields import Loc
 from testbed.scenario.links import ALL, LinkState, run_order
 from testbed.scenario.sections import TOP_LEVEL
 from testbed.scenario.timeline import RampLink, SetLink, StragglerBurst
-from testbed.scenario.topology import Selector
+from testbed.scenario.topology import Selector, profile_of
 
 if TYPE_CHECKING:
     from testbed.scenario.model import Scenario
@@ -77,9 +77,8 @@ def _topology(scenario: Scenario) -> Iterator[tuple[Loc, str]]:
                        f"links[{i}], with the same precedence: merge them or name a worker")
                 break
         if link.trace is not None:
-            base = link.profile if link.profile is not None else scenario.topology.default
             try:
-                link.trace.schedule().profiles(base)
+                link.trace.schedule().profiles(profile_of(scenario.topology, link))
             except TraceError as error:
                 yield ("topology", "links", j, "trace"), str(error)
 

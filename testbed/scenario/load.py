@@ -3,6 +3,7 @@ every problem as `FILE:LINE: path.to.field: what is wrong; allowed: ...`."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -87,7 +88,8 @@ def load_scenario(source: str | Path, *, steps: int | None = None,
         data = {"name": path.stem, **data}
     base = base_dir if base_dir is not None else path.parent if path is not None else None
     if base is not None:
-        data = {section: _files_under(value, Path(base)) if section in LINK_SECTIONS else value
+        data = {section: map_data_files(value, lambda _, name: str(Path(base) / name), section)
+                if section in LINK_SECTIONS else value
                 for section, value in data.items()}
     try:
         scenario = Scenario.model_validate(data, context=HUMAN)
@@ -106,19 +108,26 @@ def load_scenario(source: str | Path, *, steps: int | None = None,
             from None
 
 
-def _files_under(data: Any, base: Path) -> Any:
-    """`data` with the file of every samples distribution (`distribution: {samples: FILE}`, a
-    link's or a slot's) and of every link trace (`trace: {file: FILE}`) relative to `base`
-    instead of the current directory."""
+DATA_FILES = (("distribution", "samples"), ("trace", "file"))  # where a scenario names a file
+
+
+def map_data_files(data: Any, change: Callable[[str, str], str], where: str = "") -> Any:
+    """`data` (a scenario's document, or a part of it at the dotted path `where`) with the name
+    of every file it reads besides itself (a samples distribution's, a link's or a slot's:
+    `distribution: {samples: FILE}`; a link trace's: `trace: {file: FILE}`) replaced by
+    `change(path of the field, name)`."""
     if isinstance(data, list):
-        return [_files_under(item, base) for item in data]
+        return [map_data_files(item, change, f"{where}[{index}]")
+                for index, item in enumerate(data)]
     if not isinstance(data, dict):
         return data
-    found = {key: _files_under(value, base) for key, value in data.items()}
-    for key, field in (("distribution", "samples"), ("trace", "file")):
+    found = {key: map_data_files(value, change, f"{where}.{key}" if where else key)
+             for key, value in data.items()}
+    for key, field in DATA_FILES:
         given = found.get(key)
         if isinstance(given, dict) and isinstance(given.get(field), str):
-            found[key] = {**given, field: str(base / given[field])}
+            place = f"{where}.{key}.{field}" if where else f"{key}.{field}"
+            found[key] = {**given, field: change(place, given[field])}
     return found
 
 

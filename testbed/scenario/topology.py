@@ -205,8 +205,13 @@ def selecting(topology: Topology, src: int, dst: int) -> Link | None:
 
 def resolve_link(topology: Topology, src: int, dst: int) -> LinkProfile:
     """The profile of the directed link src -> dst: the selecting link's, else the default."""
-    best = selecting(topology, src, dst)
-    return topology.default if best is None or best.profile is None else best.profile
+    return profile_of(topology, selecting(topology, src, dst))
+
+
+def profile_of(topology: Topology, link: Link | None) -> LinkProfile:
+    """What an entry of `links` gives the links it selects: its profile, or the default where
+    it gives none (a trace alone, on top of the default) or there is no entry."""
+    return topology.default if link is None or link.profile is None else link.profile
 
 
 def resolve_trace(topology: Topology, src: int, dst: int) -> LinkTrace | None:
