@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.machine import in_guest
 from benchmarks.report import Run
 from netem.capabilities import netem_available
 from netem.probe import measure_rate
@@ -103,18 +104,8 @@ def replay_once(placement: str, backend: str, resolution: float) -> Outcome:
 
 
 def guest_outcomes(resolutions: list[float]) -> list[Outcome]:
-    from netem import sandbox
-
-    kernel = sandbox.prepare(quiet=True)
-    with tempfile.TemporaryDirectory(prefix="tb-conditions-") as tmp:
-        out = Path(tmp) / "netem.json"
-        arguments = [str(r) for r in resolutions]
-        result = sandbox.run([sys.executable, "-m", "benchmarks.conditions", "--guest-json",
-                              str(out), "--resolutions", *arguments],
-                             cwd=REPO, stream=False, kernel=kernel)
-        if result.returncode != 0:
-            raise SystemExit(f"the guest run failed ({result.returncode}):\n{result.output}")
-        return [Outcome(**item) for item in json.loads(out.read_text())]
+    items, _ = in_guest("benchmarks.conditions", "--resolutions", *map(str, resolutions))
+    return [Outcome(**item) for item in items]
 
 
 def report(outcomes: list[Outcome], run: Run) -> str:

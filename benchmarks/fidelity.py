@@ -15,12 +15,12 @@ import json
 import math
 import platform
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from benchmarks.machine import in_guest
 from benchmarks.report import Run
 from netem import apply
 from netem.capabilities import netem_available
@@ -153,23 +153,8 @@ def netem_outcomes() -> tuple[list[Outcome], str]:
     """The netem cases, here if this kernel has netem, else in a guest."""
     if netem_available():
         return run_cases(NETEM_CASES, "netem"), "host kernel"
-    from netem import sandbox
-
-    kernel = sandbox.prepare(quiet=True)
-    with tempfile.TemporaryDirectory(prefix="tb-fidelity-") as tmp:
-        out = Path(tmp) / "netem.json"
-        result = sandbox.run(
-            [sys.executable, "-m", "benchmarks.fidelity", "--guest-json", str(out)],
-            cwd=REPO,
-            stream=False,
-            kernel=kernel,
-        )
-        if result.returncode != 0:
-            raise SystemExit(f"the guest run failed ({result.returncode}):\n{result.output}")
-        outcomes = [Outcome(**item) for item in json.loads(out.read_text())]
-    return outcomes, (
-        f"user-mode-linux {kernel.uml_package} with libc6 {kernel.libc_package}, one vCPU"
-    )
+    items, guest = in_guest("benchmarks.fidelity")
+    return [Outcome(**item) for item in items], guest
 
 
 def row(case: str, backend: str, check: Check, probes: int) -> str:

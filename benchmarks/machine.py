@@ -1,13 +1,37 @@
 """The sentence that opens every results file: the command that wrote it, when it started, how
-long it took, and the machine it ran on; and what /proc says of a process's memory."""
+long it took, and the machine it ran on; what /proc says of a process's memory; and a
+benchmark's part that runs in the User-Mode Linux guest."""
 
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import platform
 import sys
+import tempfile
 from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def in_guest(module: str, *arguments: str) -> tuple[list[Any], str]:
+    """`python -m MODULE ARGUMENTS --guest-json FILE` in a User-Mode Linux guest (the
+    sandbox's kernel, which has netem): what it wrote to FILE, and the guest in words for the
+    results file. A failed guest run ends the benchmark with the guest's output."""
+    from netem import sandbox
+
+    kernel = sandbox.prepare(quiet=True)
+    with tempfile.TemporaryDirectory(prefix="tb-guest-") as tmp:
+        out = Path(tmp) / "guest.json"
+        result = sandbox.run([sys.executable, "-m", module, *arguments, "--guest-json", str(out)],
+                             cwd=REPO, stream=False, kernel=kernel)
+        if result.returncode != 0:
+            raise SystemExit(f"the guest run failed ({result.returncode}):\n{result.output}")
+        items = json.loads(out.read_text())
+    return items, (f"user-mode-linux {kernel.uml_package} with libc6 {kernel.libc_package}, "
+                   "one vCPU")
 
 
 def command(module: str) -> str:

@@ -15,11 +15,11 @@ import dataclasses
 import json
 import multiprocessing
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
+from benchmarks.machine import in_guest
 from benchmarks.report import Run
 from netem.probe.analysis import MIN_TIMED
 
@@ -97,23 +97,14 @@ def _busy() -> None:
         pass
 
 
-def in_guest(count_each: int, busy: int) -> list[TrainFigures]:
+def trains_in_guest(count_each: int, busy: int) -> list[TrainFigures]:
     """Boot a guest for the trains, with `busy` busy loops on the host meanwhile."""
-    from netem import sandbox
-
-    kernel = sandbox.prepare(quiet=True)
     loops = [multiprocessing.Process(target=_busy, daemon=True) for _ in range(busy)]
     for loop in loops:
         loop.start()
     try:
-        with tempfile.TemporaryDirectory(prefix="tb-probe-stalls-") as tmp:
-            out = Path(tmp) / "trains.json"
-            result = sandbox.run([sys.executable, "-m", "benchmarks.probe_stalls", "--trains",
-                                  str(count_each), "--guest-json", str(out)],
-                                 cwd=REPO, stream=False, kernel=kernel)
-            if result.returncode != 0:
-                raise SystemExit(f"the guest run failed ({result.returncode}):\n{result.output}")
-            return [TrainFigures(**item) for item in json.loads(out.read_text())]
+        items, _ = in_guest("benchmarks.probe_stalls", "--trains", str(count_each))
+        return [TrainFigures(**item) for item in items]
     finally:
         for loop in loops:
             loop.terminate()
@@ -169,8 +160,8 @@ def main() -> None:
         args.guest_json.write_text(json.dumps([dataclasses.asdict(f) for f in figures]))
         return
     run = Run.start("benchmarks.probe_stalls")
-    runs = {"idle": in_guest(args.trains, 0),
-            f"loaded ({args.busy} busy)": in_guest(args.trains, args.busy)}
+    runs = {"idle": trains_in_guest(args.trains, 0),
+            f"loaded ({args.busy} busy)": trains_in_guest(args.trains, args.busy)}
     args.output.write_text(report(runs, run))
     print(f"wrote {args.output}", file=sys.stderr)
 
