@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-APT_PACKAGES=(iproute2 nftables kmod iputils-ping ethtool patchelf ca-certificates prometheus)
+APT_PACKAGES=(iproute2 nftables kmod iputils-ping ethtool patchelf ca-certificates prometheus iperf3)
 VENV=${TESTBED_VENV:-.venv}
 TORCH=${TESTBED_TORCH:-torch==2.13.0}  # the CPU build the results were measured with
 

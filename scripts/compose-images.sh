@@ -9,7 +9,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${TESTBED_VENV:-.venv}
 CACHE=${XDG_CACHE_HOME:-$HOME/.cache}/testbed/compose
-BASE=testbed-base:bookworm
+# The base's packages; its name carries their digest, so a changed list makes a new base.
+BASE_PACKAGES=python3,python3-venv,iproute2,iptables,nftables,iputils-ping,ca-certificates,iperf3
+BASE=testbed-base:bookworm-$(printf %s "$BASE_PACKAGES" | sha256sum | cut -c1-8)
 mkdir -p "$CACHE"
 
 if ! command -v debootstrap >/dev/null; then
@@ -27,13 +29,13 @@ if ! docker compose version >/dev/null 2>&1; then
 fi
 
 if ! docker image inspect "$BASE" >/dev/null 2>&1; then
-    tarball="$CACHE/bookworm-base.tar"
+    tarball="$CACHE/${BASE#testbed-base:}.tar"
     if [[ ! -f "$tarball" ]]; then
         mirror=$("$VENV/bin/python" -m netem.sandbox mirror)  # the host's own (docs/sandbox.md)
         echo "compose-images: debootstrap of the base from $mirror (once, ~70 s)"
         root=$(mktemp -d)
         debootstrap --variant=minbase \
-            --include=python3,python3-venv,iproute2,iptables,nftables,iputils-ping,ca-certificates \
+            --include="$BASE_PACKAGES" \
             bookworm "$root" "$mirror" >/dev/null
         tar -C "$root" -cf "$tarball.part" . && mv "$tarball.part" "$tarball"
         rm -rf "$root"

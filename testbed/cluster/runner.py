@@ -37,6 +37,7 @@ from testbed.cluster.network import ClusterNetwork
 from testbed.cluster.relay import TARGETS_FILE, MetricsRelay
 from testbed.cluster.replay import LinkReplay
 from testbed.cluster.timeline import Timeline
+from testbed.cluster.traffic import CrossTraffic
 from testbed.cluster.worker import (
     PORTS,
     WorkerSpec,
@@ -194,13 +195,23 @@ class ClusterRun:
                 # The traced links' workers' metrics follow each change, as a timeline's do.
                 replay = LinkReplay(network, self.scenario.traces(), on_change=lambda pairs, _: (
                     post_links(self.run_dir, {"pairs": pairs}, network.links.effective)))
+                traffic = CrossTraffic(
+                    self.scenario.flows(), run_dir=self.run_dir,
+                    address_of=lambda rank: network.hosts[rank],
+                    here=lambda rank: ["ip", "netns", "exec", network.namespace(rank)],
+                    on_interval=lambda name, interval: writer.event(
+                        "traffic", flow=name, seconds=interval.seconds, bytes=interval.bytes,
+                        lost=interval.lost))
                 for rank in range(self.scenario.count):
                     self._check_interrupt()
                     self._start(rank)
                 try:
-                    self._follow(timeline, replay, writer, on_update)
+                    self._follow(timeline, replay, traffic, writer, on_update)
                 finally:
                     timeline.stop()
+                    traffic.stop()
+                    if traffic.origin is not None:
+                        writer.event("cross_traffic", flows=traffic.summary())
                     try:
                         replay.stop()
                     finally:
@@ -367,10 +378,11 @@ class ClusterRun:
         """A straggler burst goes to each of its workers' control files (`BurstControl`)."""
         post_burst(self.run_dir, event)
 
-    def _follow(self, timeline: Timeline, replay: LinkReplay, writer: RunWriter,
-                on_update: Callable[[list[WorkerState]], None]) -> None:
-        """Until every worker ended: apply their reports, start the timeline and the traced
-        links' replay once the workers are ready to train (time zero of its `at`s), fire step
+    def _follow(self, timeline: Timeline, replay: LinkReplay, traffic: CrossTraffic,
+                writer: RunWriter, on_update: Callable[[list[WorkerState]], None]) -> None:
+        """Until every worker ended: apply their reports, start the timeline, the traced
+        links' replay and the background flows once the workers are ready to train (time zero
+        of their `at`s and `start`s), fire step
         events at the slowest worker's next step, and show the state."""
         fired = -1
         started = False
@@ -390,6 +402,8 @@ class ClusterRun:
                 timeline.start(offset=writer.now())
                 if replay:
                     replay.start()
+                if traffic:
+                    traffic.start()
                 writer.event("training", workers=[w.rank for w in self.workers if w.ready])
                 started = True
             if running and started:

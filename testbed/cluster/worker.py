@@ -255,6 +255,7 @@ class Worker:
     def run(self) -> int:
         from testbed import collectives
         from testbed.metrics import WorkerMetrics
+        from testbed.metrics.traffic import TrafficCollector, status_path
         from testbed.report import RunWriter
         from testbed.scenario import load_scenario
 
@@ -262,6 +263,9 @@ class Worker:
         scenario = load_scenario(Path(spec.scenario), steps=spec.steps, base_dir=spec.base_dir)
         writer = RunWriter.open(spec.run_dir, rank=spec.rank)
         metrics = WorkerMetrics(spec.rank)
+        if any(flow.dst == spec.rank for flow in scenario.traffic):
+            metrics.registry.register(TrafficCollector(status_path(spec.run_dir, spec.rank),
+                                                       spec.rank))
         collective = None
         evaluation: dict[str, float] | None = None
         started = time.monotonic()

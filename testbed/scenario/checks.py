@@ -28,7 +28,7 @@ STREAMING_COMPRESSORS = ("none", "int8", "int4")
 def problems(scenario: Scenario) -> list[tuple[Loc, str]]:
     """Every problem across the sections of `scenario` (whose fields are each valid)."""
     found = [*_workers(scenario), *_topology(scenario), *_timeline(scenario),
-             *_capture(scenario), *_security(scenario)]
+             *_capture(scenario), *_traffic(scenario), *_security(scenario)]
     if scenario.command is not None:
         found.extend(_command(scenario))
     else:
@@ -234,6 +234,19 @@ def _rejoin(scenario: Scenario) -> Iterator[tuple[Loc, str]]:
         why = scenario.collective.rejoin_problem(scenario.collective.compressor.kind)
     if why is not None:
         yield ("timeline", restarts[0], "restart"), why
+
+
+def _traffic(scenario: Scenario) -> Iterator[tuple[Loc, str]]:
+    count = scenario.workers.count
+    named: dict[str, int] = {}
+    for i, flow in enumerate(scenario.traffic):
+        for end, worker in (("from", flow.src), ("to", flow.dst)):
+            if worker >= count:
+                yield ("traffic", i, end), f"no worker {worker}: workers are 0..{count - 1}"
+        if flow.name is not None:
+            j = named.setdefault(flow.name, i)
+            if j != i:
+                yield ("traffic", i, "name"), f"{flow.name!r} already names traffic[{j}]"
 
 
 def _worker_problems(scenario: Scenario, loc: Loc,

@@ -31,6 +31,7 @@ from testbed.scenario.sections import (
 )
 from testbed.scenario.timeline import Event
 from testbed.scenario.topology import Topology
+from testbed.scenario.traffic import Flow
 from testbed.train.config import TrainConfig
 
 
@@ -56,6 +57,9 @@ class Scenario(ScenarioQueries, Section):
     metrics: Metrics = Metrics()
     capture: Capture = Field(default=Capture(), description="Links whose frames a run records "
                              "into pcap files, and the per-flow summary (docs/capture.md).")
+    traffic: list[Flow] = Field(default=[], description="Background flows between workers "
+                                "that compete with training for the links: iperf3, TCP bulk "
+                                "or UDP at a rate, constant or on/off (docs/conditions.md).")
     security: Security = Field(default=Security(), description="Who may speak on the run's "
                                "sockets: authenticate true, false or auto (docs/transport.md).")
 

@@ -13,6 +13,7 @@ from netem.profile import LinkProfile
 from testbed.scenario.fields import Problems, dotted
 from testbed.scenario.sections import AUTO, CommandJob, Placement, WorkerOverride
 from testbed.scenario.topology import LinkTrace, resolve_link, resolve_trace
+from testbed.scenario.traffic import Flow, flow_names
 from testbed.train.config import TrainConfig
 from testbed.train.stragglers import StragglerSpec
 
@@ -87,6 +88,10 @@ class ScenarioQueries:
                  for s in range(self.count) for d in range(self.count) if s != d}
         return {pair: trace for pair, trace in found.items() if trace is not None}
 
+    def flows(self) -> dict[str, Flow]:
+        """The background flows (`traffic`), by name (`traffic.flow_names`)."""
+        return dict(zip(flow_names(self.traffic), self.traffic, strict=True))
+
     def capture_pairs(self) -> list[tuple[int, int]]:
         """The directed links (src, dst) a run captures, each once."""
         return self.capture.pairs(self.topology.groups, self.count)
@@ -150,9 +155,10 @@ class ScenarioQueries:
                f"job {self.job.model} x {self.job.steps} steps; "
                f"collective {self.collective.kind}{compression}")
         capture = f"; capture {self.capture.describe()}" if self.capture.links else ""
+        traffic = f"; {len(self.traffic)} background flow(s)" if self.traffic else ""
         return (
             f"{self.name}: {self.count} workers; {'; '.join(network)}; "
             f"{self.topology.congestion}; {job}; "
             f"{len(self.timeline)} event(s){' (' + ', '.join(actions) + ')' if actions else ''}"
-            f"{capture}"
+            f"{capture}{traffic}"
         )
