@@ -325,6 +325,17 @@ def network() -> dict[str, Any]:
               "transport, by protocol (in a cluster run: the lossy all-reduce's UDP).",
               [target(rate("testbed_transport_sent_bytes_total", "rank, protocol"),
                       WORKER + " {{protocol}}")], unit="Bps"),
+        panel("Background flows", "Bits per second each background flow (the scenario's "
+              "traffic:, iperf3) delivered into the worker, beside the job's own traffic on "
+              "the same links.",
+              [target(f"8 * {rate('testbed_traffic_received_bytes_total', 'rank, peer, flow')}",
+                      "{{flow}} (" + LINK + ")")], unit="bps", minimum=0),
+        panel("Background flows sending", "1 while a background flow sends into the worker, "
+              "and the datagrams per second a UDP flow lost.",
+              [target(f"max by (rank, peer, flow) ({sel('testbed_traffic_active')})",
+                      "{{flow}} on"),
+               target(rate("testbed_traffic_lost_datagrams_total", "rank, peer, flow"),
+                      "{{flow}} lost/s")], minimum=0),
         panel("Host receive-buffer drops", "UDP datagrams per second the kernel dropped for "
               "full receive buffers in the worker's namespace: the host's loss, not the "
               "network's.",

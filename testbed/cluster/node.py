@@ -48,6 +48,7 @@ from testbed.cluster.relay import TARGETS_FILE, target_groups
 from testbed.cluster.replay import LinkReplay
 from testbed.cluster.shaped import ShapedNetwork
 from testbed.cluster.timeline import Timeline
+from testbed.cluster.traffic import CrossTraffic
 from testbed.cluster.worker import (
     PORTS,
     Worker,
@@ -239,6 +240,7 @@ class Node:
         # The traced links into this worker: each worker replays its own (docs/conditions.md).
         self._replay = LinkReplay(self.network, {
             pair: trace for pair, trace in self.scenario.traces().items() if pair[1] == rank})
+        self._traffic: CrossTraffic | None = None  # the ends of the flows it sends or receives
         self._rejoin = False
         self.run_dir = runs
 
@@ -275,6 +277,11 @@ class Node:
         finally:
             if self._timeline is not None:
                 self._timeline.stop()
+            if self._traffic is not None:
+                self._traffic.stop()
+                if self._writer is not None:
+                    self._writer.event("cross_traffic", rank=self.rank,
+                                       flows=self._traffic.summary())
             try:
                 self._replay.stop()
             finally:
@@ -411,6 +418,19 @@ class Node:
             self._replay.on_change = lambda pairs, _: post_links(
                 self.run_dir, {"pairs": pairs}, self.network.links.effective, only=self.rank)
             self._replay.start(elapsed=time.time() - origin)
+        self._start_traffic(origin)
+
+    def _start_traffic(self, origin: float) -> None:
+        """The ends of the background flows that leave or enter this worker, on the run's
+        clock (a client whose server, in another container, is not up yet tries again)."""
+        traffic = CrossTraffic(
+            self.scenario.flows(), run_dir=Path(self.run_dir),
+            address_of=lambda rank: self.hosts[rank], ranks={self.rank},
+            on_interval=lambda name, interval: self._writer is not None and self._writer.event(
+                "traffic", flow=name, seconds=interval.seconds, bytes=interval.bytes,
+                lost=interval.lost))
+        if traffic:
+            self._traffic = traffic.start(elapsed=time.time() - origin)
 
     def _is_past(self, event: Event, passed: float) -> bool:
         if event.at is not None:

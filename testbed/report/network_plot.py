@@ -1,7 +1,8 @@
 """The network over time, from the step events: what the receivers lost (datagrams, or TCP
-retransmits where the collective streams), the collective's traffic sent and received, and each
-worker's step time, one panel each over the whole run with the timeline's events marked. The
-other plots show what training made of the network; this one shows the network itself.
+retransmits where the collective streams), the collective's traffic sent and received, the
+background flows that competed with it (a scenario's `traffic:`), and each worker's step time,
+one panel each over the whole run with the timeline's events marked. The other plots show what
+training made of the network; this one shows the network itself.
 
 Counts become rates in bins of a fixed width: each step's count falls in the bin of the moment
 it ended, so a bin holds a few steps of every worker (at least two median steps wide).
@@ -31,7 +32,7 @@ MAX_BINS = 150
 
 def _carries_network(run: Run) -> bool:
     return run.has("datagrams_lost") or run.has("tcp_retransmits") or \
-        bool(np.any(run.column("bytes_sent", 0.0) > 0))
+        bool(np.any(run.column("bytes_sent", 0.0) > 0)) or bool(run.traffic())
 
 
 def bin_edges(runs: Labelled) -> np.ndarray:
@@ -106,6 +107,30 @@ def _traffic(axes: Axes, runs: Labelled, palette: list, edges: np.ndarray) -> No
     axes.set_ylim(bottom=0.0)
 
 
+def _competing(axes: Axes, runs: Labelled, palette: list) -> None:
+    """Each background flow's throughput over each of its reports (a line per report's span,
+    broken where the flow was silent)."""
+    several = len(runs) > 1
+    styles = ("-", "--", ":", "-.")
+    for (label, run), color in zip(runs, palette, strict=True):
+        flows = run.traffic()
+        flow_colors = colors(len(flows)) if not several else [color] * len(flows)
+        for index, ((flow, rows), flow_color) in enumerate(zip(flows.items(), flow_colors,
+                                                               strict=True)):
+            end, seconds, sent = rows.T
+            rate = sent * 8 / np.maximum(seconds, 1e-9) / 1e6
+            nan = np.full_like(end, np.nan)
+            x = np.column_stack([end - seconds, end, nan]).ravel()
+            y = np.column_stack([rate, rate, nan]).ravel()
+            mean = float(sent.sum() * 8 / max(float(seconds.sum()), 1e-9) / 1e6)
+            axes.plot(x, y, color=flow_color, linewidth=1.4,
+                      linestyle=styles[index % len(styles)] if several else "-",
+                      label=f"{label + ': ' if several else ''}{flow} "
+                      f"({mean:,.1f} Mbit/s while on)")
+    axes.set_ylabel("background flows,\nreceived (Mbit/s)")
+    axes.set_ylim(bottom=0.0)
+
+
 def plot_network(runs: Labelled, path: Path) -> Path | None:
     """Losses (where the collective counts them), traffic and step time against time since
     the start, panels sharing the run's time axis; runs without a collective (local steps
@@ -117,11 +142,15 @@ def plot_network(runs: Labelled, path: Path) -> Path | None:
     edges = bin_edges(runs)
     datagrams = any(run.has("datagrams_lost") for _, run in runs)
     counted = datagrams or any(run.has("tcp_retransmits") for _, run in runs)
-    figure = Figure(figsize=(9, 8 if counted else 5.6))
-    panels = list(figure.subplots(3 if counted else 2, 1, sharex=True))
+    competing = any(run.traffic() for _, run in runs)
+    count = 2 + counted + competing
+    figure = Figure(figsize=(9, 2.8 * count))
+    panels = list(figure.subplots(count, 1, sharex=True))
     if counted:
         _losses(panels[0], runs, palette, edges, datagrams)
-    _traffic(panels[-2], runs, palette, edges)
+    _traffic(panels[counted], runs, palette, edges)
+    if competing:
+        _competing(panels[-2], runs, palette)
     worker_series(panels[-1], runs, palette, "step_seconds", drawstyle="steps-pre")
     panels[-1].set_ylabel("step time (s),\nover each step")
     panels[-1].set_ylim(bottom=0.0)

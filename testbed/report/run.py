@@ -103,6 +103,16 @@ class Run:
         times = [s.t for s in self.steps] + [e.t for e in (*self.faults, *self.links, *self.ends)]
         return max(times) if times else None
 
+    def traffic(self) -> dict[str, np.ndarray]:
+        """The background flows' reports (`traffic` events), per flow: rows of (end time,
+        seconds, bytes), in time order."""
+        rows: dict[str, list[tuple[float, float, float]]] = {}
+        for event in self.other:
+            if event.get("type") == "traffic":
+                rows.setdefault(str(event["flow"]), []).append(
+                    (float(event["t"]), float(event["seconds"]), float(event["bytes"])))
+        return {flow: np.array(sorted(found)) for flow, found in sorted(rows.items())}
+
     @property
     def training_t(self) -> float | None:
         """When training started (the runner's `training` event): what comes before is setup

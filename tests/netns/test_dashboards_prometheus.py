@@ -13,7 +13,8 @@ metric a panel shows:
   evaluations every 10 steps (eval loss, accuracy);
 - moshpit: Moshpit averaging with worker 3 killed at step 25 and restarted at step 30 (rounds,
   incomplete rounds, calls without a peer, a rejoin);
-- ring: the ring all-reduce over links with 10% loss (its own sockets' retransmits).
+- ring: the ring all-reduce over links with 10% loss (its own sockets' retransmits), beside two
+  background flows into worker 3 (TCP bulk, and on/off UDP whose datagrams the loss takes).
 
 Each run waits, while its workers linger after their last step, until Prometheus has scraped
 every worker after all were done (polling its HTTP API, bounded). Then each panel target's
@@ -100,6 +101,9 @@ topology: {default: {loss: 10%}}
 job: {model: mlp, steps: 30, batch: 32, strategy: gradient}
 collective: {kind: ring}
 metrics: {drift_every: 0, linger: 60s}
+traffic:
+  - {from: 2, to: 3, kind: tcp}
+  - {from: 0, to: 3, kind: udp, rate: 5mbit, on: 1s, off: 500ms}
 """
 SCENARIOS = {"lossy": (LOSSY, 30), "moshpit": (MOSHPIT, 80), "ring": (RING, 30)}
 # The faults of those runs, as the annotations title them: run -> action and target.
@@ -124,6 +128,9 @@ POSITIVE = {
     ("moshpit.json", "Incomplete rounds", "A"),
     ("moshpit.json", "Calls without a peer", "A"),
     ("moshpit.json", "Rejoins", "A"),
+    ("network.json", "Background flows", "A"),
+    ("network.json", "Background flows sending", "A"),
+    ("network.json", "Background flows sending", "B"),  # ~430 datagrams a burst, 10% lost
 }
 
 

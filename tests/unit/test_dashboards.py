@@ -17,6 +17,8 @@ import yaml
 from prometheus_client.metrics import MetricWrapperBase
 
 from testbed import dashboards
+from testbed.metrics.traffic import LABELS as TRAFFIC_LABELS
+from testbed.metrics.traffic import TrafficCollector
 from testbed.metrics.worker import WorkerMetrics
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,9 +31,12 @@ TARGET_LABELS = {"scenario", "run", "worker", "instance", "job"}  # added by the
 
 
 def exported() -> dict[str, set[str]]:
-    """Every sample name a worker's /metrics can carry -> its labels, from a real registry."""
+    """Every sample name a worker's /metrics can carry -> its labels, from a real registry
+    (with the collector of the background flows a worker receives)."""
     metrics = WorkerMetrics(0)
-    labels: dict[str, set[str]] = {}
+    traffic = TrafficCollector(Path("/nonexistent/traffic-0.json"), 0)  # a receiver's
+    metrics.registry.register(traffic)
+    labels = {family.name: set(TRAFFIC_LABELS) for family in traffic.describe()}
     for collector in metrics.registry._collector_to_names:  # the registry's own bookkeeping
         if isinstance(collector, MetricWrapperBase):
             labels[collector._name] = set(collector._labelnames)

@@ -1,0 +1,127 @@
+"""A scenario's background flows (`traffic:`) in a namespace run: real iperf3 between the
+workers' namespaces, over the shaped links, from and until the times the scenario gives; what
+they received in the run's records, the receiver's status file and its metrics; nothing of
+them left after the run, or after Ctrl-C."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from functools import partial
+from pathlib import Path
+
+import pytest
+from live import ended, unless_ended, wait_for
+
+from netem.lab import lab_namespaces
+from testbed.cluster.runner import ClusterRun
+from testbed.metrics.traffic import TrafficCollector, read_status, status_path
+from testbed.report import load_run
+
+pytestmark = pytest.mark.netns
+
+TCP_START, TCP_STOP = 0.5, 2.5  # seconds after training started
+UDP_RATE = 4_000_000  # bits/s, a tenth of the links' rate: all of it arrives
+SCENARIO = f"""
+name: traffic
+seed: 2
+workers: 3
+topology:
+  default: {{rate: 40mbit}}
+job: {{model: mlp, steps: {{steps}}, batch: 32, straggler: {{fixed: 60ms}}}}
+collective: {{kind: ring}}
+metrics: {{drift_every: 0}}
+traffic:
+  - {{name: bulk, from: 0, to: 1, kind: tcp, start: {TCP_START}s, stop: {TCP_STOP}s}}
+  - {{from: 2, to: 1, kind: udp, rate: {UDP_RATE // 1000}kbit}}
+"""
+
+
+def iperf3_processes() -> set[int]:
+    found = subprocess.run(["pgrep", "-x", "iperf3"], capture_output=True, text=True)
+    return {int(pid) for pid in found.stdout.split()}
+
+
+def test_flows_run_when_the_scenario_says_and_show_in_the_records_and_metrics(tmp_path: Path):
+    scenario = tmp_path / "traffic.yaml"
+    scenario.write_text(SCENARIO.replace("{steps}", "80"))  # >= 80 * 60 ms = 4.8 s of training
+    before = iperf3_processes()
+    result = ClusterRun(scenario, run_dir=tmp_path / "run").run(lambda workers: None)
+    assert result.success, result.error
+
+    run = load_run(result.run_dir)
+    training = run.training_t
+    assert training is not None
+    flows = run.traffic()
+    assert set(flows) == {"bulk", "2-1-udp"}, flows.keys()
+    # The bulk flow: nothing before its start, nothing after its stop. The server's own
+    # clock gives each report's span, ending when the report was read (later, never
+    # earlier); the client is ended at its stop, so what it sent lasted at most that long
+    # (plus the moment a terminated client takes to say so; 1 s is far above it).
+    end, seconds, received = flows["bulk"].T
+    assert (end - seconds).min() >= training + TCP_START - 0.3, (training, flows["bulk"])
+    assert 0.5 <= seconds.sum() <= TCP_STOP - TCP_START + 1.0, seconds
+    assert received.sum() > 0
+    # The UDP flow ran from the start to the end of the run, after the bulk flow stopped,
+    # at its rate: UDP has no congestion control and the link has room for it.
+    end, seconds, received = flows["2-1-udp"].T
+    assert end.max() > training + TCP_STOP + 1.0
+    rate = received.sum() * 8 / seconds.sum()
+    assert 0.8 * UDP_RATE < rate < 1.2 * UDP_RATE, rate
+
+    # The receiver's status file says what the records say; its metrics read it.
+    status = read_status(status_path(result.run_dir, 1))
+    assert {name: flow["peer"] for name, flow in status.items()} == {"bulk": 0, "2-1-udp": 2}
+    assert status["bulk"]["received_bytes"] == pytest.approx(flows["bulk"][:, 2].sum())
+    assert not any(flow["active"] for flow in status.values())  # the run is over
+    samples = {(sample.name, sample.labels["flow"]): sample.value
+               for family in TrafficCollector(status_path(result.run_dir, 1), 1).collect()
+               for sample in family.samples}
+    assert samples[("testbed_traffic_received_bytes_total", "bulk")] == pytest.approx(
+        status["bulk"]["received_bytes"])
+    assert samples[("testbed_traffic_active", "2-1-udp")] == 0.0
+    assert ("testbed_traffic_lost_datagrams_total", "2-1-udp") in samples
+    assert ("testbed_traffic_lost_datagrams_total", "bulk") not in samples  # TCP's: none
+    (summary,) = [event["flows"] for event in run.other if event["type"] == "cross_traffic"]
+    assert summary["bulk"]["restarts"] == 0 and summary["bulk"]["bursts"] == 1
+
+    prefix = next(event for event in run.other if event["type"] == "cluster")["prefix"]
+    assert lab_namespaces(prefix) == []
+    assert iperf3_processes() - before == set(), "the run left iperf3 running"
+
+
+def test_ctrl_c_ends_the_flows_with_the_run(tmp_path: Path):
+    """SIGINT while the flows send: the run ends, and with it every iperf3 it started."""
+    from pyroute2 import netns
+
+    scenario = tmp_path / "traffic.yaml"
+    scenario.write_text(SCENARIO.replace("{steps}", "100000"))
+    out = tmp_path / "run"
+    before = iperf3_processes()
+    runner = subprocess.Popen([sys.executable, "-m", "testbed.cli", "run", str(scenario),
+                               "--sandbox", "none", "-o", str(out)],
+                              stdout=subprocess.DEVNULL,
+                              stderr=(tmp_path / "runner.stderr").open("w"))
+    try:
+        sending = unless_ended(
+            lambda: '"type": "traffic"' in (out / "events.jsonl").read_text()
+            if (out / "events.jsonl").exists() else False, runner,
+            lambda: (tmp_path / "runner.stderr").read_text()[-3000:])
+        wait_for("a background flow's first report", sending, bool, 120, every=0.2)
+        cluster = next(json.loads(line) for line in (out / "events.jsonl").read_text()
+                       .splitlines() if '"cluster"' in line)
+        made = set(lab_namespaces(cluster["prefix"]))
+        flows = iperf3_processes() - before
+        assert len(flows) >= 3, flows  # two servers, and the UDP client at least
+        runner.send_signal(signal.SIGINT)
+        assert runner.wait(60) == 128 + signal.SIGINT
+    finally:
+        if runner.poll() is None:
+            runner.kill()
+            runner.wait()
+    for pid in flows:
+        wait_for(f"iperf3 {pid} to end after Ctrl-C", partial(ended, pid), bool, 10.0,
+                 every=0.05)
+    assert not set(netns.listnetns()) & made, "Ctrl-C left namespaces"
