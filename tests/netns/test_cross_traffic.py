@@ -6,6 +6,7 @@ them left after the run, or after Ctrl-C."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -39,15 +40,17 @@ traffic:
 """
 
 
-def iperf3_processes() -> set[int]:
-    found = subprocess.run(["pgrep", "-x", "iperf3"], capture_output=True, text=True)
+def iperf3_processes(parent: int | None = None) -> set[int]:
+    """The iperf3 processes that are children of `parent` (default: this one): a run's, not
+    another's running beside it."""
+    found = subprocess.run(["pgrep", "-x", "-P", str(parent or os.getpid()), "iperf3"],
+                           capture_output=True, text=True)
     return {int(pid) for pid in found.stdout.split()}
 
 
 def test_flows_run_when_the_scenario_says_and_show_in_the_records_and_metrics(tmp_path: Path):
     scenario = tmp_path / "traffic.yaml"
     scenario.write_text(SCENARIO.replace("{steps}", "80"))  # >= 80 * 60 ms = 4.8 s of training
-    before = iperf3_processes()
     result = ClusterRun(scenario, run_dir=tmp_path / "run").run(lambda workers: None)
     assert result.success, result.error
 
@@ -89,7 +92,7 @@ def test_flows_run_when_the_scenario_says_and_show_in_the_records_and_metrics(tm
 
     prefix = next(event for event in run.other if event["type"] == "cluster")["prefix"]
     assert lab_namespaces(prefix) == []
-    assert iperf3_processes() - before == set(), "the run left iperf3 running"
+    assert iperf3_processes() == set(), "the run left iperf3 running"
 
 
 def test_ctrl_c_ends_the_flows_with_the_run(tmp_path: Path):
@@ -99,7 +102,6 @@ def test_ctrl_c_ends_the_flows_with_the_run(tmp_path: Path):
     scenario = tmp_path / "traffic.yaml"
     scenario.write_text(SCENARIO.replace("{steps}", "100000"))
     out = tmp_path / "run"
-    before = iperf3_processes()
     runner = subprocess.Popen([sys.executable, "-m", "testbed.cli", "run", str(scenario),
                                "--sandbox", "none", "-o", str(out)],
                               stdout=subprocess.DEVNULL,
@@ -113,7 +115,7 @@ def test_ctrl_c_ends_the_flows_with_the_run(tmp_path: Path):
         cluster = next(json.loads(line) for line in (out / "events.jsonl").read_text()
                        .splitlines() if '"cluster"' in line)
         made = set(lab_namespaces(cluster["prefix"]))
-        flows = iperf3_processes() - before
+        flows = iperf3_processes(runner.pid)
         assert len(flows) >= 3, flows  # two servers, and the UDP client at least
         runner.send_signal(signal.SIGINT)
         assert runner.wait(60) == 128 + signal.SIGINT
@@ -125,3 +127,26 @@ def test_ctrl_c_ends_the_flows_with_the_run(tmp_path: Path):
         wait_for(f"iperf3 {pid} to end after Ctrl-C", partial(ended, pid), bool, 10.0,
                  every=0.05)
     assert not set(netns.listnetns()) & made, "Ctrl-C left namespaces"
+
+
+FAILING = f"""
+name: traffic-fails
+workers: 2
+job:
+  command: [python, -c, "import os, sys, time; time.sleep(3); sys.exit(3 * int(os.environ['RANK']))"]
+metrics: {{port: 0}}
+traffic:
+  - {{from: 0, to: 1, kind: udp, rate: {UDP_RATE // 1000}kbit}}
+"""
+
+
+def test_a_failed_run_ends_its_flows_too(tmp_path: Path):
+    """Worker 1's program fails after 3 s, while a flow sends to it: the run fails, and its
+    flows' processes are gone with it."""
+    scenario = tmp_path / "fails.yaml"
+    scenario.write_text(FAILING)
+    result = ClusterRun(scenario, run_dir=tmp_path / "run").run(lambda workers: None)
+    assert not result.success and "worker 1" in (result.error or ""), result.error
+    run = load_run(result.run_dir)
+    assert "0-1-udp" in run.traffic(), "the flow never sent: the test shows nothing"
+    assert iperf3_processes() == set(), "the failed run left iperf3 running"
