@@ -8,7 +8,9 @@ gradients every step) and per condition of the bottleneck into worker 1:
 - `tcp cubic`, `tcp bbr`: a TCP bulk flow (iperf3, that congestion control) from worker 2 to
   worker 1 for the whole of training;
 - `udp on/off`: UDP from worker 2 to worker 1 at 50 Mbit/s, 1 s on, 1 s off;
-- `udp 120 on/off`: the same at 120 Mbit/s, more than the link carries (unresponsive overload).
+- `udp 120 on/off`: the same at 120 Mbit/s, more than the link carries (unresponsive overload);
+- `none, again`: the links alone once more, after the others: how far the baseline itself moved
+  while the cells ran (the machine's other work), the noise floor of the ratios.
 
 Every cell is one `ClusterRun` of a scenario written here, its flow in the scenario's
 `traffic:` section, exactly as a user runs it (`testbed run`). The figures come from the run
@@ -29,9 +31,9 @@ event) every `SAMPLE_EVERY` seconds: the backlog of the catch-all's queue (as mi
 that the flow and the collective met in that one queue.
 
     .venv/bin/python -m benchmarks.competing [--steps N] [--collectives ring,gloo,lossy]
-        [--conditions none,cubic,bbr,udp,udp120] [--timeout S] [--out PATH]
+        [--conditions none,cubic,bbr,udp,udp120,none2] [--timeout S] [--out PATH]
 
-Writes benchmarks/results/competing.md after every cell (about 10 minutes on 2 cores).
+Writes benchmarks/results/competing.md after every cell (about 12 minutes on 2 cores).
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ RATE = "100mbit"
 RATE_BPS = 100e6
 LIMIT = 1000  # packets: the queue limit of every link (netem's and the fallback's default)
 RECEIVER, SENDER = 1, 2  # the competing flow enters the receiver that the collective reaches
-STEPS = 300
+STEPS = 250
 WARMUP = 1.0  # seconds of training whose steps are left out
 SAMPLE_EVERY = 0.2  # seconds between readings of the receiver's port
 TIMEOUT = 300.0
@@ -91,6 +93,7 @@ CONDITIONS = {c.name: c for c in (
     Condition("udp120", "udp 120M on/off",
               ({"from": SENDER, "to": RECEIVER, "kind": "udp", "rate": "120mbit",
                 "on": "1s", "off": "1s"},)),
+    Condition("none2", "none, again"),  # the baseline once more, last: how much it moved
 )}
 
 
@@ -266,7 +269,7 @@ def read_run(outcome: Outcome, run: Any) -> None:
         coverage = [s.coverage for s in steps if s.coverage is not None]
         if coverage:
             outcome.coverage, outcome.coverage_min = float(np.mean(coverage)), min(coverage)
-        sent = [s.bytes_sent for s in steps if s.bytes_sent is not None]
+        sent = [s.bytes_sent for s in steps if s.bytes_sent]  # gloo reports none
         if sent:
             outcome.kb_per_step = float(np.mean(sent)) / 1e3
     ends = [s.t for s in run.steps]
@@ -391,7 +394,7 @@ def classes_text(outcomes: Sequence[Outcome]) -> str:
     """Which htb classes of the receiver's port carried the bytes, per cell with a flow."""
     parts = []
     for o in outcomes:
-        if o.condition == "none" or not o.port.classes:
+        if not CONDITIONS[o.condition].flows or not o.port.classes:
             continue
         total = sum(size for _, size in o.port.classes.values()) or 1
         shares = ", ".join(f"{handle} (rate {rate}) {size / 1e6:.1f} MB ({size / total:.1%})"
@@ -409,7 +412,7 @@ def observations(outcomes: Sequence[Outcome], conditions: Sequence[str]) -> list
         if clean is None:
             continue
         found = [(ratio(o.quantile(0.5), clean.quantile(0.5)), o) for o in outcomes
-                 if o.collective == collective and o.condition != "none" and o.allreduce]
+                 if o.collective == collective and CONDITIONS[o.condition].flows and o.allreduce]
         if not found:
             continue
         worst, o = max(found, key=lambda pair: pair[0] if math.isfinite(pair[0]) else -1)
@@ -427,14 +430,21 @@ def observations(outcomes: Sequence[Outcome], conditions: Sequence[str]) -> list
             f"{CONDITIONS[o.condition].label} {o.coverage:.4f}" for o in lossy)
             + " (the fraction of contributions in the result; the rest came after the "
             "deadline or was dropped at the full queue).")
-    queued = [o for o in outcomes if o.condition != "none" and o.port.backlog]
+    again = [(o.collective, ratio(o.quantile(0.5), clean.quantile(0.5))) for o in outcomes
+             if o.condition == "none2" and (clean := baseline(outcomes, o.collective))]
+    if again:
+        lines.append("- The baseline run again after the other cells (the noise floor of the "
+                     "ratios: the same cell, minutes apart): median " + ", ".join(
+                         f"{c} {times(r)}" for c, r in again) + " of the first.")
+    queued = [o for o in outcomes if CONDITIONS[o.condition].flows and o.port.backlog]
     if queued:
         lines.append("- The queue into worker 1 (median / p90 of its backlog, as ms at "
                      "100 Mbit/s): " + ", ".join(
                          f"{o.collective}/{CONDITIONS[o.condition].label} "
                          f"{fmt(o.port.delay_ms(0.5))}/{fmt(o.port.delay_ms(0.9))}"
                          for o in queued) + ".")
-    flows = [o for o in outcomes if o.condition != "none" and math.isfinite(o.flow_mbps)]
+    flows = [o for o in outcomes if CONDITIONS[o.condition].flows
+             and math.isfinite(o.flow_mbps)]
     if flows:
         lines.append("- The competing flow got (Mbit/s received while sending / over "
                      "training): " + ", ".join(
