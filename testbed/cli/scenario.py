@@ -69,11 +69,15 @@ def scenario_check(
                       for link in scenario.topology.links if link.trace is not None}
             results.append({"file": name, "ok": True, "name": scenario.name,
                             "summary": scenario.summary(),
-                            "traces": [dataclasses.asdict(t) for t in traces.values()]})
+                            "traces": [dataclasses.asdict(t) for t in traces.values()],
+                            "traffic": {name: flow.describe()
+                                        for name, flow in scenario.flows().items()}})
             if not json_output:
                 typer.echo(f"ok {name}: {scenario.summary()}")
                 for summary in traces.values():
                     typer.echo(f"  trace {trace_line(summary)}")
+                for flow_name, flow in scenario.flows().items():
+                    typer.echo(f"  traffic {flow_name}: {flow.describe()}")
                 note = order_note(scenario.timeline)
                 if note is not None:
                     typer.echo(f"  note: {note}")

@@ -48,7 +48,6 @@ from testbed.cluster.relay import TARGETS_FILE, target_groups
 from testbed.cluster.replay import LinkReplay
 from testbed.cluster.shaped import ShapedNetwork
 from testbed.cluster.timeline import Timeline
-from testbed.cluster.traffic import CrossTraffic
 from testbed.cluster.worker import (
     PORTS,
     Worker,
@@ -240,7 +239,7 @@ class Node:
         # The traced links into this worker: each worker replays its own (docs/conditions.md).
         self._replay = LinkReplay(self.network, {
             pair: trace for pair, trace in self.scenario.traces().items() if pair[1] == rank})
-        self._traffic: CrossTraffic | None = None  # the ends of the flows it sends or receives
+        self._traffic: Any = None  # CrossTraffic: the ends of the flows it sends or receives
         self._rejoin = False
         self.run_dir = runs
 
@@ -423,6 +422,8 @@ class Node:
     def _start_traffic(self, origin: float) -> None:
         """The ends of the background flows that leave or enter this worker, on the run's
         clock (a client whose server, in another container, is not up yet tries again)."""
+        from testbed.cluster.traffic import CrossTraffic  # its metrics' package imports torch
+
         traffic = CrossTraffic(
             self.scenario.flows(), run_dir=Path(self.run_dir),
             address_of=lambda rank: self.hosts[rank], ranks={self.rank},

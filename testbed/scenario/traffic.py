@@ -87,8 +87,9 @@ class Flow(Section):
                 else f"tcp {self.congestion or 'bulk'}")
         if self.on is not None and self.off is not None:
             what += f" on {format_time(self.on)}/off {format_time(self.off)}"
+        since = format_time(self.start) if self.start else "the start"
         until = "the end" if self.stop is None else format_time(self.stop)
-        return f"{self.src}->{self.dst} {what}, {format_time(self.start)} to {until}"
+        return f"{self.src}->{self.dst} {what}, {since} to {until}"
 
 
 def flow_names(flows: list[Flow]) -> list[str]:

@@ -23,7 +23,7 @@ STEPS = 8
 def test_the_shipped_scenarios_are_all_here():
     assert {path.stem for path in SCENARIOS} == {
         "quickstart", "loss-1", "loss-5", "loss-10", "loss-20", "jitter-wan", "bandwidth-100mbit",
-        "two-regions", "stragglers", "preemption"}
+        "two-regions", "stragglers", "preemption", "cross-traffic"}
 
 
 @pytest.mark.parametrize("path", SCENARIOS, ids=lambda path: path.stem)
@@ -47,3 +47,6 @@ def test_a_shipped_scenario_runs_shortened(path: Path, tmp_path: Path):
     assert fired == due, "a step event of the shortened run did not fire"
     assert not [fault for fault in run.faults if fault.fields.get("error")], run.faults
     assert result.html is not None and result.html.exists()
+    flows = run.traffic()
+    assert set(flows) == {name for name, flow in scenario.flows().items() if flow.start == 0}, \
+        "a flow due from the start did not send"

@@ -133,7 +133,8 @@ FAILING = f"""
 name: traffic-fails
 workers: 2
 job:
-  command: [python, -c, "import os, sys, time; time.sleep(3); sys.exit(3 * int(os.environ['RANK']))"]
+  command: [python, -c,
+            "import os, sys, time; time.sleep(3); sys.exit(3 * int(os.environ['RANK']))"]
 metrics: {{port: 0}}
 traffic:
   - {{from: 0, to: 1, kind: udp, rate: {UDP_RATE // 1000}kbit}}

@@ -33,7 +33,7 @@ def test_scenario_check_json_and_exit_codes(tmp_path: Path):
     assert result.exit_code == 0, result.output
     (entry,) = json.loads(result.output)
     assert entry == {"file": str(good), "ok": True, "name": "quickstart",
-                     "summary": entry["summary"], "traces": []}
+                     "summary": entry["summary"], "traces": [], "traffic": {}}
     assert entry["summary"].startswith("quickstart:")
     result = runner.invoke(app, ["scenario", "check", "--json", str(good), str(bad)])
     assert result.exit_code == 2

@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import math
 import re
+import tempfile
 import threading
 import urllib.error
 import urllib.request
@@ -30,6 +31,7 @@ from testbed.metrics import (
     straggler_wait,
 )
 from testbed.metrics.drift import BLOCK
+from testbed.metrics.traffic import TrafficCollector, write_status
 from testbed.train.job import StepRecord
 from testbed.transport.counters import (
     UNKNOWN_PEER,
@@ -41,7 +43,8 @@ from testbed.transport.counters import (
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
 LOW_CARDINALITY = {"rank", "peer", "collective", "protocol", "phase", "reason", "split",
-                   "direction", "reference", "figure", "le", "profile", "action", "target"}
+                   "direction", "reference", "figure", "le", "profile", "action", "target",
+                   "flow", "kind"}
 # Units that are not Prometheus' base units, as a part of a name between underscores.
 NOT_BASE_UNITS = re.compile(r"_(milliseconds|microseconds|nanoseconds|ms|us|ns|minutes|hours|"
                             r"kilobytes|megabytes|kb|mb|bits|percent)(_|$)")
@@ -81,8 +84,16 @@ def datagrams(scale: int) -> dict[int, DatagramCounters]:
 
 def fed(rank: int = 1) -> WorkerMetrics:
     """A worker's metrics after two lossy steps, a ring call, a moshpit call, transport
-    counters, two link profiles, a drift measurement and three faults."""
+    counters, two link profiles, a drift measurement and three faults, and receiving two
+    background flows."""
     metrics = WorkerMetrics(rank)
+    traffic = Path(tempfile.mkdtemp()) / "traffic.json"
+    write_status(traffic, {
+        "bulk": {"peer": 0, "kind": "tcp", "active": True, "received_bytes": 1e6,
+                 "lost_datagrams": 0},
+        "video": {"peer": 2, "kind": "udp", "active": False, "received_bytes": 2e5,
+                  "lost_datagrams": 3}})
+    metrics.registry.register(TrafficCollector(traffic, rank))
     metrics.record_step(step_record(0, lossy_stats(0)), peer_compute_seconds={0: 0.07, 2: 0.04})
     metrics.record_step(step_record(1, lossy_stats(1), loss=2.1,
                                     evaluation={"loss": 2.0, "accuracy": 0.4, "perplexity": 7.4}))

@@ -42,7 +42,7 @@ GROUPS = "topology: {groups: {east: [0, 1], west: [2, 3]}}\n"
 
 SHIPPED_NAMES = {
     "quickstart", "loss-1", "loss-5", "loss-10", "loss-20", "jitter-wan", "bandwidth-100mbit",
-    "two-regions", "stragglers", "preemption",
+    "two-regions", "stragglers", "preemption", "cross-traffic",
 }
 
 

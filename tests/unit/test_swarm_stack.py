@@ -70,10 +70,14 @@ def test_every_shipped_scenario_makes_a_stack_swarm_can_deploy(path: Path, tmp_p
             else {"condition": "none"})
         assert deploy.get("placement", {}).get("constraints", []) == constraints(
             scenario, rank, "groups")
-        (scenario_config,) = service["configs"]
+        scenario_config, *data_configs = service["configs"]
         assert scenario_config["target"] == f"/scenario/{SCENARIO_COPY}"
         assert scenario_config["mode"] == 0o444
         assert stack["configs"][scenario_config["source"]] == {"file": f"./{SCENARIO_COPY}"}
+        # The scenario's data files (traces) beside it, as configs too.
+        traces = {f"/scenario/{Path(trace.file).relative_to(path.parent.resolve())}"
+                  for trace in scenario.traces().values()}
+        assert {config["target"] for config in data_configs} == traces
         if scenario.authenticates("compose"):
             (secret,) = service["secrets"]
             assert Path("/run/secrets") / secret["target"] == KEY_FILE
