@@ -134,9 +134,10 @@ def report(outcomes: list[Outcome], run: Run) -> str:
         pairs = ", ".join(f"{e / 1e6:.1f}/{m / 1e6:.1f}"
                           for e, m in zip(o.expected, o.measured, strict=True))
         lines.append(f"- {o.placement}, {o.resolution * 1e3:g} ms: {pairs}")
-    lines += ["", "Not measured yet: a public recorded trace (none with a licence that lets the "
-              "project ship it was chosen yet), and collectives against competing traffic "
-              "(the scenario's `traffic:` section is not built)."]
+    lines += ["", "Collectives against competing traffic on a shared 100 Mbit/s bottleneck: "
+              "`python -m benchmarks.competing`, benchmarks/results/competing.md. Not measured: "
+              "the fidelity on a public recorded trace (none of those checked has a licence "
+              "that lets the project ship it; docs/conditions.md lists them)."]
     return "\n".join(lines) + "\n"
 
 

@@ -177,7 +177,7 @@ class CrossTraffic:
         self._lock = threading.Lock()
         self._processes: set[subprocess.Popen[str]] = set()
         self._threads: list[threading.Thread] = []
-        self._logs: list[IO[str]] = []
+        self._logs: dict[str, IO[str]] = {}  # each flow's log, shared by its processes
 
     def __bool__(self) -> bool:
         return bool(self._receiving or self._sending)
@@ -185,6 +185,7 @@ class CrossTraffic:
     def start(self, elapsed: float = 0.0) -> CrossTraffic:
         """Start the servers (each listening before this returns) and then each flow's clock:
         `elapsed` seconds since training started (a Compose worker that rejoins a run)."""
+        (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         for state in self._receiving:
             server = self._spawn(state.flow.dst, server_argv(state.port), state.name,
                                  read=True)
@@ -208,7 +209,7 @@ class CrossTraffic:
         for state in self.flows:
             state.active = False
         self._report()
-        for log in self._logs:
+        for log in self._logs.values():
             log.close()
         self._logs.clear()
 
@@ -229,8 +230,10 @@ class CrossTraffic:
                read: bool = False) -> subprocess.Popen[str]:
         """Run `argv` where worker `rank` is; its output goes to the flow's log, or (`read`)
         its standard output to a pipe."""
-        log = (self.run_dir / "logs" / f"traffic-{name}.log").open("a")
-        self._logs.append(log)
+        with self._lock:
+            log = self._logs.get(name)
+            if log is None:
+                log = self._logs[name] = (self.run_dir / "logs" / f"traffic-{name}.log").open("a")
         process = subprocess.Popen([*ORPHAN_GUARD, *self.here(rank), *argv], text=True,
                                    stdin=subprocess.DEVNULL,
                                    stdout=subprocess.PIPE if read else log, stderr=log,

@@ -1,6 +1,7 @@
 """`docker compose up` of a generated project, for real: three workers in containers shaping
 their own ingress (the fallback here: loss and rate), the timeline's link change applied by
-the receiving container, a preempted worker brought back by the restart policy, Prometheus
+the receiving container, a traced link replayed by its receiver, a background flow run by the
+two containers it joins, a preempted worker brought back by the restart policy, Prometheus
 scraping them; its HTTP API is queried while the run is live; `down` leaves no container or
 network of the project."""
 
@@ -34,6 +35,8 @@ workers:
     - {worker: 2, straggler: {fixed: 20ms}}
 topology:
   default: {loss: 1%, rate: 100mbit}
+  links:
+    - {from: 2, to: 0, trace: {file: uplink.csv}}
 job: {model: mlp, steps: 500, batch: 32}
 collective: {kind: lossy, deadline_initial: 0.2}
 metrics: {drift_every: 5, linger: 20}
@@ -41,7 +44,13 @@ timeline:
   - {step: 10, set_link: {link: {src: 0, dst: 1}, profile: {loss: 40%}}}
   - {step: 80, kill: [2]}
   - {step: 110, restart: [2]}
+traffic:
+  - {name: background, from: 1, to: 0, kind: udp, rate: 5mbit}
 """
+# The traced link 2->0: 60 then 30 Mbit/s (the gauge says bytes/s), 2 s each, looping (rate
+# only: what the fallback shapes).
+TRACE = "time,rate\n0,60mbit\n2s,30mbit\n4s,\n"
+TRACE_RATES = {60e6 / 8, 30e6 / 8}
 # 500 steps: the others train on for 390 steps after worker 2's restart is due (about 25 s
 # at CI's pace), far longer than a container takes to restart and rejoin; the figures' swap
 # no longer holds them 5 s an exchange while it is away (docs/cluster.md), so the length
@@ -113,6 +122,7 @@ def test_a_compose_run_is_shaped_scraped_live_and_leaves_nothing(docker_engine, 
                                                                   measured):
     scenario = tmp_path / "scenario.yaml"
     scenario.write_text(SCENARIO)
+    (tmp_path / "uplink.csv").write_text(TRACE)
     project = write_project(scenario, tmp_path / "project")
     name = "testbed-compose-tier"
     with _running(project, *SERVICES):
@@ -148,6 +158,18 @@ def test_a_compose_run_is_shaped_scraped_live_and_leaves_nothing(docker_engine, 
         assert late < 0.1 * received, (late, received)
         profile = promql('testbed_link_profile_info{rank="1"}')
         assert profile, "worker 1 exports no link profile"
+        # Worker 0 replays the traced link into it: its rate gauge takes both of the trace's
+        # rates (each lasts 2 s; Prometheus scrapes every second).
+        gauge = 'testbed_link_rate_bits_per_second{rank="0",peer="2",direction="in"}[30s]'
+        rates = wait_for("the traced link 2->0 at each of its rates", lambda: {
+            value for fn in ("max_over_time", "min_over_time")
+            for value in promql(f"{fn}({gauge})").values()}, TRACE_RATES.__eq__, 60)
+        # The background flow from worker 1 reaches worker 0, which says so.
+        flow = wait_for("the background flow's bytes at worker 0", lambda: promql(
+            'testbed_traffic_received_bytes_total{rank="0",peer="1",flow="background"}'),
+            lambda found: sum(found.values()) > 1e6, 60)
+        active = promql('testbed_traffic_active{rank="0",flow="background"}')
+        assert list(active.values()) == [1.0], (active, flow, rates)
 
         drift = wait_for("a drift measurement on every worker",
                          lambda: promql("testbed_parameter_drift_ratio"),
@@ -197,6 +219,13 @@ def test_a_compose_run_is_shaped_scraped_live_and_leaves_nothing(docker_engine, 
         assert len(rejoin) == 1 and rejoin[0]["step"] >= 110, rejoin
         ran = [e["step"] for e in events if e["type"] == "step"]
         assert max(ran) == 499 and not [s for s in ran if 80 <= s < 110], ran
+        records = [json.loads(line) for line in (runs[0] / "events.jsonl").read_text()
+                   .splitlines()]
+        (replay,) = [e for e in records if e["type"] == "replay"]
+        assert replay["rank"] == 0 and replay["changes"] > 0, replay
+        ends = {e["rank"]: e["flows"] for e in records if e["type"] == "cross_traffic"}
+        assert set(ends) == {0, 1}, ends  # the flow's two ends, each in its container
+        assert ends[0]["background"]["received_bytes"] > 1e6, ends
     left = subprocess.run(
         ["docker", "ps", "-aq", "--filter", f"label=com.docker.compose.project={name}"],
         capture_output=True, text=True).stdout.split()
