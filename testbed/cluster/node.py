@@ -234,12 +234,14 @@ class Node:
         self._worker: Worker | None = None
         self._posted = 0  # addresses posted in the store, as this node last read them
         self._client: Any = None
-        self._writer: Any = None
+        self._writer: Any = None  # worker 0's: the run's own records
+        self._records: Any = None  # this node's own (`_record`)
         self._timeline: Timeline | None = None
         # The traced links into this worker: each worker replays its own (docs/conditions.md).
         self._replay = LinkReplay(self.network, {
             pair: trace for pair, trace in self.scenario.traces().items() if pair[1] == rank})
         self._traffic: Any = None  # CrossTraffic: the ends of the flows it sends or receives
+        self._conditions_ended = False  # its timeline, flows and replay (`_end_conditions`)
         self._rejoin = False
         self.run_dir = runs
 
@@ -270,23 +272,43 @@ class Node:
             self._worker = Worker(spec, on_start=self._start_timeline,
                                   before_step=self._before_step)
             code = self._worker.run()
+            self._end_conditions()  # before worker 0's summary, so it holds their records
             if self.rank == 0:
                 self._finish(run_dir, code)
             return code
         finally:
-            if self._timeline is not None:
-                self._timeline.stop()
-            if self._traffic is not None:
-                self._traffic.stop()
-                if self._writer is not None:
-                    self._writer.event("cross_traffic", rank=self.rank,
-                                       flows=self._traffic.summary())
             try:
-                self._replay.stop()
+                self._end_conditions()
             finally:
-                if self._replay.origin is not None and self._writer is not None:
-                    self._writer.event("replay", rank=self.rank, **self._replay.summary())
                 self.network.close()
+
+    def _end_conditions(self) -> None:
+        """End this node's timeline, background flows and replay (once), recording what the
+        flows and the replay did in the worker's own events file."""
+        if self._conditions_ended:
+            return
+        self._conditions_ended = True
+        if self._timeline is not None:
+            self._timeline.stop()
+        if self._traffic is not None:
+            self._traffic.stop()
+            self._record("cross_traffic", rank=self.rank, flows=self._traffic.summary())
+        try:
+            self._replay.stop()
+        finally:
+            if self._replay.origin is not None:
+                self._record("replay", rank=self.rank, **self._replay.summary())
+
+    def _record(self, kind: str, **fields: Any) -> None:
+        """An event of this node's in its worker's events file (each node writes its own,
+        where the timeline's records are worker 0's alone)."""
+        if self.run_dir == self.runs:  # no run directory yet: nothing ran to record
+            return
+        if self._records is None:
+            from testbed.report import RunWriter
+
+            self._records = RunWriter.open(self.run_dir, rank=self.rank)
+        self._records.event(kind, **fields)
 
     def _resolve(self) -> None:
         """The workers' addresses (names resolved), the interface to shape (`auto`: the one
@@ -427,7 +449,7 @@ class Node:
         traffic = CrossTraffic(
             self.scenario.flows(), run_dir=Path(self.run_dir),
             address_of=lambda rank: self.hosts[rank], ranks={self.rank},
-            on_interval=lambda name, interval: self._writer is not None and self._writer.event(
+            on_interval=lambda name, interval: self._record(
                 "traffic", flow=name, seconds=interval.seconds, bytes=interval.bytes,
                 lost=interval.lost))
         if traffic:

@@ -23,6 +23,7 @@ from typer.testing import CliRunner
 
 from testbed.cli import app
 from testbed.compose import PROMETHEUS_PORT, write_project
+from testbed.report import load_run
 
 pytestmark = pytest.mark.compose
 
@@ -160,7 +161,7 @@ def test_a_compose_run_is_shaped_scraped_live_and_leaves_nothing(docker_engine, 
         assert profile, "worker 1 exports no link profile"
         # Worker 0 replays the traced link into it: its rate gauge takes both of the trace's
         # rates (each lasts 2 s; Prometheus scrapes every second).
-        gauge = 'testbed_link_rate_bits_per_second{rank="0",peer="2",direction="in"}[30s]'
+        gauge = 'testbed_link_rate_bytes_per_second{rank="0",peer="2",direction="in"}[30s]'
         rates = wait_for("the traced link 2->0 at each of its rates", lambda: {
             value for fn in ("max_over_time", "min_over_time")
             for value in promql(f"{fn}({gauge})").values()}, TRACE_RATES.__eq__, 60)
@@ -219,8 +220,7 @@ def test_a_compose_run_is_shaped_scraped_live_and_leaves_nothing(docker_engine, 
         assert len(rejoin) == 1 and rejoin[0]["step"] >= 110, rejoin
         ran = [e["step"] for e in events if e["type"] == "step"]
         assert max(ran) == 499 and not [s for s in ran if 80 <= s < 110], ran
-        records = [json.loads(line) for line in (runs[0] / "events.jsonl").read_text()
-                   .splitlines()]
+        records = load_run(runs[0]).other  # every node's records
         (replay,) = [e for e in records if e["type"] == "replay"]
         assert replay["rank"] == 0 and replay["changes"] > 0, replay
         ends = {e["rank"]: e["flows"] for e in records if e["type"] == "cross_traffic"}
