@@ -50,6 +50,16 @@ TIMES = ("delay", "jitter", "min_delay", "max_delay")  # fields in seconds, show
 ECN_MASK, ECT_0, ECN_CE = 0b11, 0b10, 0b11
 
 
+def _whole(value: Any) -> Any:
+    """A count or a size: an integer, never a boolean (which Python counts as 0 or 1)."""
+    if isinstance(value, bool):
+        raise ValueError(f"expected an integer, got {value}")
+    return value
+
+
+Count = Annotated[int, BeforeValidator(_whole)]  # packets, bytes, a gap
+
+
 def _on_grid(value: float) -> float:
     """Probabilities and seconds are kept to 9 decimals: the kernel's u32/ns grid is finer."""
     return round(value, 9)
@@ -256,8 +266,8 @@ class Slot(BaseModel):
     distribution: Distribution | None = None
     delay: LinkTime = 0.0
     jitter: LinkTime = 0.0
-    max_packets: int = Field(default=0, ge=0, le=S32_MAX)  # netem's 'no limit' (S32_MAX) is 0
-    max_bytes: int = Field(default=0, ge=0, le=S32_MAX)
+    max_packets: Count = Field(default=0, ge=0, le=S32_MAX)  # netem's 'no limit' (S32_MAX) is 0
+    max_bytes: Count = Field(default=0, ge=0, le=S32_MAX)
 
     @model_validator(mode="before")
     @classmethod
@@ -316,13 +326,13 @@ class LinkProfile(BaseModel):
     corrupt_correlation: Fraction = 0.0
     reorder: Fraction = 0.0
     reorder_correlation: Fraction = 0.0
-    gap: int = Field(default=0, ge=0, le=U32_MAX)  # 1 behaves as 0 in netem; kept as 0
+    gap: Count = Field(default=0, ge=0, le=U32_MAX)  # 1 behaves as 0 in netem; kept as 0
     rate: BitsPerSecond | None = None
-    packet_overhead: int = Field(default=0, ge=S32_MIN, le=S32_MAX)  # bytes, for the rate
-    cell_size: int = Field(default=0, ge=0, le=U32_MAX)  # bytes; 0: no cells
-    cell_overhead: int = Field(default=0, ge=S32_MIN, le=S32_MAX)  # bytes per cell
+    packet_overhead: Count = Field(default=0, ge=S32_MIN, le=S32_MAX)  # bytes, for the rate
+    cell_size: Count = Field(default=0, ge=0, le=U32_MAX)  # bytes; 0: no cells
+    cell_overhead: Count = Field(default=0, ge=S32_MIN, le=S32_MAX)  # bytes per cell
     slot: Slot | None = None
-    limit: int = Field(default=DEFAULT_LIMIT, ge=1, le=U32_MAX)
+    limit: Count = Field(default=DEFAULT_LIMIT, ge=1, le=U32_MAX)
     seed: int | None = Field(default=None, ge=0, le=U64_MAX)  # of netem's random numbers
 
     @model_validator(mode="before")

@@ -162,8 +162,11 @@ def test_lossy_drift_and_lost_datagrams_follow_a_link_that_starts_losing(tmp_pat
     # receives in a clean step, three peers in two phases, is more than one datagram of at most
     # the MTU), so a step keeps every one with probability at most 0.7**2 = 0.49 at 30% loss,
     # and none of the 29 steps from the change on is stale with probability < 0.49**29 < 1e-9.
+    # The shards' sizes are the same every step; what a clean step received varies only with
+    # the datagrams that came after its deadline on a loaded host (a CI run saw one clean step
+    # at 7.8 kB among 22-48 kB), so the median clean step shows the size.
     clean = [s.bytes_received for s in run_record.steps if s.rank == 1 and s.step < CHANGE_AT]
-    assert min(clean) / (2 * (WORLD - 1)) > 1500, f"fewer datagrams than assumed: {clean}"
+    assert np.median(clean) / (2 * (WORLD - 1)) > 1500, f"fewer datagrams than assumed: {clean}"
     assert stale & set(range(CHANGE_AT + 1, STEPS)), "no stale copy after 29 steps at 30% loss"
     assert max(drift[(1, step)] for step in stale) > 0
 
