@@ -13,8 +13,17 @@ metric a panel shows:
   evaluations every 10 steps (eval loss, accuracy);
 - moshpit: Moshpit averaging with worker 3 killed at step 25 and restarted at step 30 (rounds,
   incomplete rounds, calls without a peer, a rejoin);
-- ring: the ring all-reduce over links with 10% loss (its own sockets' retransmits), beside two
+- ring: the ring all-reduce over links with 3% loss (its own sockets' retransmits), beside two
   background flows into worker 3 (TCP bulk, and on/off UDP whose datagrams the loss takes).
+  Not more loss, and a receive limit of 120 s, not 30: on a lossy link TCP's timestamps take
+  the time a loss took to mend as round-trip time, its retransmission timeout grows to 3 s and
+  doubles with each retransmission lost; at 10% a segment lost 4 times (~0.19^4 a loss, some
+  hundreds of losses a run) stalled a ring step past 30 s in CI. At 3% (~0.06 a round trip)
+  passing 120 s takes 6 in a row from 3 s: ~5e-8 a loss, ~90 losses a run. Lost packets
+  still come in thousands of segments and ~430 datagrams a burst. Every step takes at least
+  30 ms (the job's straggler delay), so the 250 steps span 7.5 s or more and Prometheus
+  scrapes the counters rising (a ring step alone takes ~37 ms here: 30 took 1.1 s, too short
+  for a rate over 1 s scrapes).
 
 Each run waits, while its workers linger after their last step, until Prometheus has scraped
 every worker after all were done (polling its HTTP API, bounded). Then each panel target's
@@ -97,15 +106,15 @@ RING = """
 name: dash-ring
 seed: 11
 workers: 4
-topology: {default: {loss: 10%}}
-job: {model: mlp, steps: 30, batch: 32, strategy: gradient}
-collective: {kind: ring}
+topology: {default: {loss: 3%}}
+job: {model: mlp, steps: 250, batch: 32, strategy: gradient, straggler: {fixed: 30ms}}
+collective: {kind: ring, timeout: 120}
 metrics: {drift_every: 0, linger: 60s}
 traffic:
   - {from: 2, to: 3, kind: tcp}
   - {from: 0, to: 3, kind: udp, rate: 5mbit, on: 1s, off: 500ms}
 """
-SCENARIOS = {"lossy": (LOSSY, 30), "moshpit": (MOSHPIT, 80), "ring": (RING, 30)}
+SCENARIOS = {"lossy": (LOSSY, 30), "moshpit": (MOSHPIT, 80), "ring": (RING, 250)}
 # The faults of those runs, as the annotations title them: run -> action and target.
 FAULTS = {"lossy": {"set_link 0<->1", "straggler_burst 1"},
           "moshpit": {"kill 3", "restart 3"}, "ring": set()}
@@ -130,7 +139,7 @@ POSITIVE = {
     ("moshpit.json", "Rejoins", "A"),
     ("network.json", "Background flows", "A"),
     ("network.json", "Background flows sending", "A"),
-    ("network.json", "Background flows sending", "B"),  # ~430 datagrams a burst, 10% lost
+    ("network.json", "Background flows sending", "B"),  # ~430 datagrams a burst, 3% lost
 }
 
 
