@@ -21,7 +21,7 @@ topology:
   links:
     - {src: 0, dst: 1, profile: {loss: 20%, rate: 100mbit}}
 job: {model: mlp, steps: 5, batch: 32}
-collective: {kind: ring}
+collective: {kind: ring, timeout: 120}  # 20% loss can grow TCP's retransmission timeout to seconds
 metrics: {probe_links: true, linger: 0}
 """
 
