@@ -32,7 +32,7 @@ workers: 3
 topology:
   default: {{loss: 2%}}
 job: {{model: mlp, steps: {STEPS}, batch: 32}}
-collective: {{kind: ring, timeout: 120}}  # 20% loss can grow TCP's retransmission timeout to seconds
+collective: {{kind: ring, timeout: 120}}  # 20% loss can grow TCP's retransmission timeout
 timeline:
   - step: 3
     set_link: {{link: {{from: 0, to: 1}}, profile: {{loss: 20%}}}}
