@@ -50,14 +50,24 @@ TIMES = ("delay", "jitter", "min_delay", "max_delay")  # fields in seconds, show
 ECN_MASK, ECT_0, ECN_CE = 0b11, 0b10, 0b11
 
 
-def _whole(value: Any) -> Any:
-    """A count or a size: an integer, never a boolean (which Python counts as 0 or 1)."""
-    if isinstance(value, bool):
-        raise ValueError(f"expected an integer, got {value}")
-    return value
+def _not_boolean(expected: str) -> BeforeValidator:
+    """Refuse a boolean where a number is meant: Python counts True as 1, and YAML reads
+    yes/no/on/off as booleans, so a lax model would take `gap: false` for 0 (a JSON Schema's
+    `integer` and `number` refuse them too)."""
+    def check(value: Any) -> Any:
+        if isinstance(value, bool):
+            raise ValueError(f"expected {expected}, got {str(value).lower()}")
+        return value
+    return BeforeValidator(check)
 
 
-Count = Annotated[int, BeforeValidator(_whole)]  # packets, bytes, a gap
+# The plain numbers of every validated model (profiles, scenarios, collectives, jobs). An
+# optional number with bounds writes them before the check, `Annotated[int, Field(ge=0),
+# AN_INTEGER] | None`: so pydantic bounds the number itself (the JSON Schema's `minimum`, a big
+# bound printed exactly), not the check's result.
+AN_INTEGER, A_NUMBER = _not_boolean("an integer"), _not_boolean("a number")
+Integer = Annotated[int, AN_INTEGER]
+Number = Annotated[float, A_NUMBER]
 
 
 def _on_grid(value: float) -> float:
@@ -266,8 +276,8 @@ class Slot(BaseModel):
     distribution: Distribution | None = None
     delay: LinkTime = 0.0
     jitter: LinkTime = 0.0
-    max_packets: Count = Field(default=0, ge=0, le=S32_MAX)  # netem's 'no limit' (S32_MAX) is 0
-    max_bytes: Count = Field(default=0, ge=0, le=S32_MAX)
+    max_packets: Integer = Field(default=0, ge=0, le=S32_MAX)  # netem's 'no limit' (S32_MAX) is 0
+    max_bytes: Integer = Field(default=0, ge=0, le=S32_MAX)
 
     @model_validator(mode="before")
     @classmethod
@@ -326,14 +336,15 @@ class LinkProfile(BaseModel):
     corrupt_correlation: Fraction = 0.0
     reorder: Fraction = 0.0
     reorder_correlation: Fraction = 0.0
-    gap: Count = Field(default=0, ge=0, le=U32_MAX)  # 1 behaves as 0 in netem; kept as 0
+    gap: Integer = Field(default=0, ge=0, le=U32_MAX)  # 1 behaves as 0 in netem; kept as 0
     rate: BitsPerSecond | None = None
-    packet_overhead: Count = Field(default=0, ge=S32_MIN, le=S32_MAX)  # bytes, for the rate
-    cell_size: Count = Field(default=0, ge=0, le=U32_MAX)  # bytes; 0: no cells
-    cell_overhead: Count = Field(default=0, ge=S32_MIN, le=S32_MAX)  # bytes per cell
+    packet_overhead: Integer = Field(default=0, ge=S32_MIN, le=S32_MAX)  # bytes, for the rate
+    cell_size: Integer = Field(default=0, ge=0, le=U32_MAX)  # bytes; 0: no cells
+    cell_overhead: Integer = Field(default=0, ge=S32_MIN, le=S32_MAX)  # bytes per cell
     slot: Slot | None = None
-    limit: Count = Field(default=DEFAULT_LIMIT, ge=1, le=U32_MAX)
-    seed: int | None = Field(default=None, ge=0, le=U64_MAX)  # of netem's random numbers
+    limit: Integer = Field(default=DEFAULT_LIMIT, ge=1, le=U32_MAX)
+    # Of netem's random numbers.
+    seed: Annotated[int, Field(ge=0, le=U64_MAX), AN_INTEGER] | None = Field(default=None)
 
     @model_validator(mode="before")
     @classmethod

@@ -28,6 +28,7 @@ from pydantic import (
 )
 from pydantic_core import ErrorDetails, PydanticCustomError
 
+from netem.profile import A_NUMBER, Integer, Number
 from testbed.collectives.capabilities import Capabilities, declare
 
 Address = tuple[str, int]
@@ -159,26 +160,26 @@ RENDEZVOUS_HELP = ("Seconds every rank has to meet the others at the start (rank
 
 
 class RingOptions(CollectiveOptions):
-    timeout: float = Field(default=30.0, gt=0, description=TIMEOUT_HELP)
-    rendezvous_timeout: float = Field(default=300.0, gt=0, description=RENDEZVOUS_HELP)
+    timeout: Number = Field(default=30.0, gt=0, description=TIMEOUT_HELP)
+    rendezvous_timeout: Number = Field(default=300.0, gt=0, description=RENDEZVOUS_HELP)
 
 
 class GlooOptions(CollectiveOptions):
-    timeout: float = Field(default=60.0, gt=0, description="Seconds torch.distributed waits "
-                           "for a peer (its process group's timeout).")
+    timeout: Number = Field(default=60.0, gt=0, description="Seconds torch.distributed waits "
+                            "for a peer (its process group's timeout).")
 
 
 class MoshpitOptions(CollectiveOptions):
-    group_size: int = Field(default=4, ge=2, description="Peers per group: the virtual grid's "
-                            "side (at least 2: a group of one averages nothing).")
-    timeout: float = Field(default=5.0, gt=0, description="Seconds a call may take (it "
-                           "returns within this plus 0.25 s): peers not there in time are "
-                           "left out. At least twice what a call takes when nothing fails.")
-    heartbeat: float = Field(default=1.0, gt=0, description="Seconds between a peer's signs of "
-                             "life in the membership.")
-    expiry: float | None = Field(default=None, gt=0, description="Seconds of silence after "
-                                 "which a peer counts as gone (default: four heartbeats).")
-    rendezvous_timeout: float = Field(default=60.0, gt=0, description=RENDEZVOUS_HELP)
+    group_size: Integer = Field(default=4, ge=2, description="Peers per group: the virtual grid's "
+                                "side (at least 2: a group of one averages nothing).")
+    timeout: Number = Field(default=5.0, gt=0, description="Seconds a call may take (it "
+                            "returns within this plus 0.25 s): peers not there in time are "
+                            "left out. At least twice what a call takes when nothing fails.")
+    heartbeat: Number = Field(default=1.0, gt=0, description="Seconds between a peer's signs of "
+                              "life in the membership.")
+    expiry: Annotated[float, Field(gt=0), A_NUMBER] | None = Field(default=None, description=(
+        "Seconds of silence after which a peer counts as gone (default: four heartbeats)."))
+    rendezvous_timeout: Number = Field(default=60.0, gt=0, description=RENDEZVOUS_HELP)
 
     @model_validator(mode="after")
     def _expiry_after_heartbeat(self) -> Self:
@@ -213,18 +214,19 @@ def _expecting(expected: str) -> WrapValidator:
 
 
 class LossyOptions(CollectiveOptions):
-    rate: float | None = Field(default=None, gt=0, description="Bits/s each sender paces its "
-                               "datagrams at (null: unpaced).")
-    rcvbuf: int = Field(default=32 << 20, ge=4096, description="Bytes of each datagram socket's "
-                        "receive buffer: three unpaced peers' 10 MB shards overflow 8 MiB.")
-    deadline_initial: float = Field(default=1.0, gt=0, description="Seconds of the transfer "
-                                    "deadline (from a peer's first chunk of a phase) until it "
-                                    "has learned from the calls.")
-    deadline_floor: float = Field(default=0.02, gt=0, description="Least seconds the learned "
-                                  "deadline may be.")
-    deadline_ceiling: float = Field(default=5.0, gt=0, description="Most seconds the learned "
-                                    "deadline may be.")
-    straggler_timeout: Annotated[float, _expecting("seconds > 0")] = Field(
+    rate: Annotated[float, Field(gt=0), A_NUMBER] | None = Field(default=None, description=(
+        "Bits/s each sender paces its datagrams at (null: unpaced)."))
+    rcvbuf: Integer = Field(default=32 << 20, ge=4096, description="Bytes of each datagram "
+                            "socket's receive buffer: three unpaced peers' 10 MB shards "
+                            "overflow 8 MiB.")
+    deadline_initial: Number = Field(default=1.0, gt=0, description="Seconds of the transfer "
+                                     "deadline (from a peer's first chunk of a phase) until it "
+                                     "has learned from the calls.")
+    deadline_floor: Number = Field(default=0.02, gt=0, description="Least seconds the learned "
+                                   "deadline may be.")
+    deadline_ceiling: Number = Field(default=5.0, gt=0, description="Most seconds the learned "
+                                     "deadline may be.")
+    straggler_timeout: Annotated[Number, _expecting("seconds > 0")] = Field(
         default=5.0, gt=0, description="Seconds a peer that is behind (its first chunk of a "
         "phase not yet sent) is waited for.")
     settle: Annotated[PositiveFloat | Literal["auto"] | None, _expecting(
@@ -232,10 +234,10 @@ class LossyOptions(CollectiveOptions):
         default="auto", description="Seconds of quiet after every sender's stream ended before a "
         "phase closes (auto: learned between 1 and 10 ms from what came late; null: wait to "
         "the deadline).")
-    resync_every: Annotated[int, _expecting("0 (never) or more")] = Field(
+    resync_every: Annotated[Integer, _expecting("0 (never) or more")] = Field(
         default=0, ge=0, description="Every N steps the broadcast goes reliably over TCP, so "
         "every copy is exact again (0: never).")
-    parity: Annotated[int, _expecting("0 (none) or the chunks per parity chunk")] = Field(
+    parity: Annotated[Integer, _expecting("0 (none) or the chunks per parity chunk")] = Field(
         default=4, ge=0, description="Broadcast chunks per XOR parity chunk, from which a "
         "receiver rebuilds one lost chunk of each group (0: no parity; 1: every chunk twice). "
         "Costs 1/parity more broadcast bytes.")
@@ -250,8 +252,8 @@ class LossyOptions(CollectiveOptions):
     ecn: bool = Field(default=False, description="Send the datagrams ECN-capable (ECT(0)): a "
                       "link with ecn marks them CE instead of dropping them, and the marks are "
                       "counted (testbed_datagrams_ce_marked_total); nothing slows down on them.")
-    timeout: float = Field(default=30.0, gt=0, description=TIMEOUT_HELP)
-    rendezvous_timeout: float = Field(default=300.0, gt=0, description=RENDEZVOUS_HELP)
+    timeout: Number = Field(default=30.0, gt=0, description=TIMEOUT_HELP)
+    rendezvous_timeout: Number = Field(default=300.0, gt=0, description=RENDEZVOUS_HELP)
 
     @model_validator(mode="after")
     def _deadlines_in_order(self) -> Self:

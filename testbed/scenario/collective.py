@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BeforeValidator, Field, create_model, model_validator
 from pydantic.fields import FieldInfo
 
+from netem.profile import Integer, Number
 from netem.units import parse_rate, parse_time
 from testbed.collectives import registry
 from testbed.scenario.fields import Section
@@ -30,19 +31,19 @@ class Compressor(Section):
 
     kind: CompressorKind = Field(default="none", description=(
         f"{', '.join(_COMPRESSOR_NAMES[:-1])} or {_COMPRESSOR_NAMES[-1]}."))
-    density: float = Field(default=0.01, gt=0, le=1, description="Fraction of the values a "
-                           "sparsifier sends.")
+    density: Number = Field(default=0.01, gt=0, le=1, description="Fraction of the values a "
+                            "sparsifier sends.")
     sketch: ArcSketch = Field(default="projection", description="arc_topk: how the workers "
                               "agree on a pattern: projection (the paper's: each weight "
                               "matrix's rows projected on a shared random matrix, whole rows "
                               "kept) or marginal (row and column energies, single coordinates "
                               "kept).")
-    sketch_rank: int = Field(default=4, ge=1, description="arc_topk with sketch projection: "
-                             "columns of the random projection (the paper's r).")
-    block: int = Field(default=64, ge=1, description="arc_topk without the parameters' shapes "
-                       "(a DDP bucket): values per row of the sketch.")
-    group_size: int = Field(default=128, ge=2, le=65536, multiple_of=2, description="int8/int4: "
-                            "values per scale (32-256 usual).")
+    sketch_rank: Integer = Field(default=4, ge=1, description="arc_topk with sketch projection: "
+                                 "columns of the random projection (the paper's r).")
+    block: Integer = Field(default=64, ge=1, description="arc_topk without the parameters' shapes "
+                           "(a DDP bucket): values per row of the sketch.")
+    group_size: Integer = Field(default=128, ge=2, le=65536, multiple_of=2, description=(
+        "int8/int4: values per scale (32-256 usual)."))
     symmetric: bool = Field(default=True, description="int8/int4: symmetric (scale) or "
                             "asymmetric (scale and minimum) per group.")
     stochastic: bool = Field(default=False, description="int8/int4: stochastic rounding "
@@ -52,14 +53,14 @@ class Compressor(Section):
     feedback: Feedback = Field(default="ef21m", description="Sparsifiers' error feedback: "
                                "ef21m (momentum, a shared estimate, the first step sent whole) "
                                "or ef14 (each worker's own error).")
-    momentum: float = Field(default=1.0, gt=0, le=1, description="EF21M's eta (1: EF21; the "
-                            "job's optimizer keeps its own momentum).")
-    resync_every: int = Field(default=0, ge=0, description="Sparsifiers: every N calls, set the "
-                              "shared EF21M estimate to the exact mean (0: never).")
-    rank: int = Field(default=2, ge=1, description="powersgd: rank of the approximation.")
-    seed: int = Field(default=0, ge=0, description="randk: the shared seed; arc_topk: the "
-                      "shared projections; int8/int4: stochastic rounding; powersgd: the first "
-                      "Q.")
+    momentum: Number = Field(default=1.0, gt=0, le=1, description="EF21M's eta (1: EF21; the "
+                             "job's optimizer keeps its own momentum).")
+    resync_every: Integer = Field(default=0, ge=0, description="Sparsifiers: every N calls, set "
+                                  "the shared EF21M estimate to the exact mean (0: never).")
+    rank: Integer = Field(default=2, ge=1, description="powersgd: rank of the approximation.")
+    seed: Integer = Field(default=0, ge=0, description="randk: the shared seed; arc_topk: the "
+                          "shared projections; int8/int4: stochastic rounding; powersgd: the first "
+                          "Q.")
 
     @model_validator(mode="after")
     def _own_parameters(self) -> Compressor:

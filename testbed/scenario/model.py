@@ -16,6 +16,7 @@ from typing import Annotated
 
 from pydantic import BeforeValidator, Field, model_validator
 
+from netem.profile import Integer
 from testbed.collectives import registry
 from testbed.scenario.checks import problems
 from testbed.scenario.collective import COLLECTIVES, CollectiveSpec
@@ -41,8 +42,8 @@ class Scenario(ScenarioQueries, Section):
     name: str = Field(default="scenario", pattern=NAME_PATTERN,
                       description="Names the run (default: the file's name).")
     description: str = Field(default="", description="Free text for the report.")
-    seed: int = Field(default=0, ge=0, description="The run's one seed (model, data, "
-                      "stragglers, and each link's netem seed unless its profile gives one).")
+    seed: Integer = Field(default=0, ge=0, description="The run's one seed (model, data, "
+                          "stragglers, and each link's netem seed unless its profile gives one).")
     workers: Annotated[Workers, BeforeValidator(worker_count)] = Field(
         default=Workers(count=4), description="A count, or {count, overrides}.")
     topology: Topology = Field(default=Topology(), description="The links between the workers.")

@@ -18,7 +18,7 @@ from pydantic import (
     model_validator,
 )
 
-from netem.profile import Seconds
+from netem.profile import AN_INTEGER, Integer, Number, Seconds
 from netem.units import format_size, parse_size
 from testbed.scenario.fields import Congestion, Section, WorkerList, as_list
 from testbed.scenario.topology import LinkText
@@ -33,7 +33,7 @@ class WorkerOverride(Section):
 
     worker: WorkerList
     straggler: StragglerSpec | None = None
-    slowdown: float = Field(default=1.0, ge=1.0)
+    slowdown: Number = Field(default=1.0, ge=1.0)
     congestion: Congestion | None = None
 
     @model_validator(mode="after")
@@ -46,7 +46,7 @@ class WorkerOverride(Section):
 class Workers(Section):
     """`count` workers (ranks 0..count-1); `overrides` set single workers apart."""
 
-    count: int = Field(ge=1, le=256)
+    count: Integer = Field(ge=1, le=256)
     overrides: list[WorkerOverride] = Field(default=[])
 
 
@@ -99,10 +99,10 @@ class Metrics(Section):
     each drift measurement also writes the vector it sketched into the run directory, so the
     estimate can be checked against the exact distance."""
 
-    port: int = Field(default=9100, ge=0, le=65535)
-    drift_every: int = Field(default=10, ge=0)
-    drift_k: int | None = Field(default=None, ge=1, description="Numbers in each drift sketch "
-                                "(null: the estimator's default, 64).")
+    port: Integer = Field(default=9100, ge=0, le=65535)
+    drift_every: Integer = Field(default=10, ge=0)
+    drift_k: Annotated[int, Field(ge=1), AN_INTEGER] | None = Field(default=None, description=(
+        "Numbers in each drift sketch (null: the estimator's default, 64)."))
     dump_parameters: bool = Field(default=False, description=(
         "At every drift measurement each worker also writes its flat parameter vector to the "
         "run directory (parameters/rank<R>-step<S>.npy): what the sketch estimated, in full."))
@@ -134,8 +134,8 @@ class Capture(Section):
     max_bytes: ByteSize = Field(default=20_000_000, ge=1000, le=10**12, description="Each "
                                 "file's size limit (20MB, 512kB, 1MiB): writing stops there "
                                 "and the file is marked truncated.")
-    snap: int = Field(default=128, ge=64, le=65535, description="Bytes kept of each frame "
-                      "(headers and the first payload bytes).")
+    snap: Integer = Field(default=128, ge=64, le=65535, description="Bytes kept of each frame "
+                          "(headers and the first payload bytes).")
 
     def pairs(self, groups: Mapping[str, list[int]], count: int) -> list[tuple[int, int]]:
         """Every directed link (src, dst) selected, each once, in the order given."""
@@ -198,8 +198,9 @@ def _gpus(value: Any) -> Any:
     return workers
 
 
-GpuIndex = Annotated[int, Field(ge=0)]
-Gpus = Annotated[Literal["all"] | Annotated[int, Field(ge=1)] | list[GpuIndex | list[GpuIndex]],
+GpuIndex = Annotated[int, Field(ge=0), AN_INTEGER]
+GpuCount = Annotated[int, Field(ge=1), AN_INTEGER]
+Gpus = Annotated[Literal["all"] | GpuCount | list[GpuIndex | list[GpuIndex]],
                  BeforeValidator(_gpus)]
 
 
@@ -215,11 +216,11 @@ class CommandJob(Section):
     cwd: str | None = Field(default=None, description="Where it runs: a directory inside the "
                             "scenario file's, relative to it (default: the scenario file's "
                             "directory).")
-    master_port: int = Field(default=MASTER_PORT, ge=1, le=65535, description="MASTER_PORT: "
-                             "where torch.distributed's rendezvous listens on worker 0.")
-    metrics_port: int | None = Field(default=None, ge=1, le=65535, description="A port the "
-                                     "program serves Prometheus metrics on in each worker: "
-                                     "scraped with the workers' own (TESTBED_METRICS_PORT).")
+    master_port: Integer = Field(default=MASTER_PORT, ge=1, le=65535, description="MASTER_PORT: "
+                                 "where torch.distributed's rendezvous listens on worker 0.")
+    metrics_port: Annotated[int, Field(ge=1, le=65535), AN_INTEGER] | None = Field(
+        default=None, description="A port the program serves Prometheus metrics on in each "
+        "worker: scraped with the workers' own (TESTBED_METRICS_PORT).")
     gpus: Gpus | None = Field(default=None, description="The host's GPUs each worker sees "
                               "(CUDA_VISIBLE_DEVICES, by nvidia-smi's indexes; under Compose, "
                               "reserved for its container): all, a number N (worker r gets GPU r "

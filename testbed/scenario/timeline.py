@@ -4,10 +4,11 @@ ramped, a partition and its heal, workers killed and restarted, a straggler burs
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Annotated
 
 from pydantic import BaseModel, Field, model_validator
 
-from netem.profile import LinkProfile, Seconds
+from netem.profile import AN_INTEGER, LinkProfile, Seconds
 from testbed.scenario.fields import GroupList, PositiveSeconds, Section, WorkerList
 from testbed.scenario.links import run_order
 from testbed.scenario.topology import LinkPatch, Selector, patch_profile
@@ -75,7 +76,7 @@ class StragglerBurst(Section):
     workers: WorkerList
     delay: StragglerSpec
     duration: PositiveSeconds | None = None
-    steps: int | None = Field(default=None, ge=1)
+    steps: Annotated[int, Field(ge=1), AN_INTEGER] | None = Field(default=None)
 
     @model_validator(mode="after")
     def _how_long(self) -> StragglerBurst:
@@ -92,7 +93,8 @@ class Event(Section):
     that step starts), with exactly one action."""
 
     at: Seconds | None = Field(default=None, description="Seconds since training started.")
-    step: int | None = Field(default=None, ge=0, description="Before this step starts.")
+    step: Annotated[int, Field(ge=0), AN_INTEGER] | None = Field(default=None, description=(
+        "Before this step starts."))
     note: str = Field(default="", description="Shown in the event log.")
     set_link: SetLink | None = None
     ramp_link: RampLink | None = None

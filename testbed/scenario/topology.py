@@ -18,7 +18,7 @@ from pydantic import (
     model_validator,
 )
 
-from netem.profile import LinkProfile, Seconds
+from netem.profile import Integer, LinkProfile, Seconds
 from netem.trace import (
     DEFAULT_RESOLUTION,
     MIN_RESOLUTION,
@@ -185,7 +185,7 @@ class Topology(Section):
         default={}, description="Named, disjoint sets of workers, e.g. regions.")
     links: list[Link] = Field(default=[], description="Profiles of some links: from/to (one "
                               "direction) or between (both); the most specific wins.")
-    mtu: int = Field(default=1500, ge=576, le=9000, description="MTU of every link.")
+    mtu: Integer = Field(default=1500, ge=576, le=9000, description="MTU of every link.")
     congestion: Congestion = Field(default="cubic", description="Every worker's TCP congestion "
                                    "control (recorded with the run).")
 

@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
-from netem.profile import Fraction, describe_errors
+from netem.profile import A_NUMBER, Fraction, Integer, Number, describe_errors
 from netem.units import TIME_HELP, parse_time
 from testbed.train.stragglers import StragglerSpec
 
@@ -25,21 +25,21 @@ class _Spec(BaseModel):
 
 
 class SGD(_Spec):
-    lr: float = Field(gt=0)
-    momentum: float = Field(default=0.0, ge=0, lt=1)
-    weight_decay: float = Field(default=0.0, ge=0)
+    lr: Number = Field(gt=0)
+    momentum: Number = Field(default=0.0, ge=0, lt=1)
+    weight_decay: Number = Field(default=0.0, ge=0)
 
 
 class Adam(_Spec):
-    lr: float = Field(default=1e-3, gt=0)
+    lr: Number = Field(default=1e-3, gt=0)
     betas: tuple[float, float] = (0.9, 0.999)
-    weight_decay: float = Field(default=0.0, ge=0)
+    weight_decay: Number = Field(default=0.0, ge=0)
 
 
 class AdamW(_Spec):
-    lr: float = Field(default=1e-3, gt=0)
+    lr: Number = Field(default=1e-3, gt=0)
     betas: tuple[float, float] = (0.9, 0.999)
-    weight_decay: float = Field(default=0.01, ge=0)
+    weight_decay: Number = Field(default=0.01, ge=0)
 
 
 # torch.optim's SGD, Adam and AdamW (`strategies.build_optimizer`)
@@ -87,7 +87,7 @@ class DropComputeSpec(_Spec):
 
     threshold: Annotated[float | Literal["auto"], BeforeValidator(parse_threshold)]
     target_drop_rate: Fraction = Field(default=0.1, lt=1)
-    warmup_steps: int = Field(default=10, ge=1)
+    warmup_steps: Integer = Field(default=10, ge=1)
 
     @model_validator(mode="after")
     def _auto_options(self) -> DropComputeSpec:
@@ -105,8 +105,8 @@ class OuterSpec(_Spec):
     pseudo-gradient: SGD with Nesterov momentum as published (lr 0.7, momentum 0.9)."""
 
     name: Literal["sgd"] = "sgd"
-    lr: float = Field(default=0.7, gt=0)
-    momentum: float = Field(default=0.9, ge=0, lt=1)
+    lr: Number = Field(default=0.7, gt=0)
+    momentum: Number = Field(default=0.9, ge=0, lt=1)
     nesterov: bool = True
 
     @model_validator(mode="after")
@@ -125,9 +125,9 @@ class StreamingSpec(_Spec):
     inner_steps at its own offset; with `overlap`, its outer all-reduce runs beside the inner
     steps and its result is mixed in when it is back (`mixing`: the local parameters' weight)."""
 
-    fragments: int = Field(ge=1)
+    fragments: Integer = Field(ge=1)
     overlap: bool = False
-    mixing: float | None = Field(default=None, ge=0, lt=1)
+    mixing: Annotated[float, Field(ge=0, lt=1), A_NUMBER] | None = Field(default=None)
 
     @model_validator(mode="after")
     def _mixing_with_overlap(self) -> StreamingSpec:
@@ -153,28 +153,28 @@ class TrainConfig(_Spec):
     (gradient accumulation, which DropCompute cuts short)."""
 
     model: Literal["mlp", "cnn", "char-lm"] = "mlp"
-    steps: int = Field(default=100, ge=1)
-    batch: int = Field(default=32, ge=1)
-    micro_batches: int = Field(default=1, ge=1)
+    steps: Integer = Field(default=100, ge=1)
+    batch: Integer = Field(default=32, ge=1)
+    micro_batches: Integer = Field(default=1, ge=1)
     optimizer: OptimizerSpec = OptimizerSpec(sgd=SGD(lr=0.1))
     strategy: Literal["gradient", "average", "sharded", "diloco"] = "gradient"
-    average_every: int = Field(default=1, ge=1)
-    inner_steps: int = Field(default=50, ge=1)
+    average_every: Integer = Field(default=1, ge=1)
+    inner_steps: Integer = Field(default=50, ge=1)
     outer: OuterSpec = OuterSpec()
     streaming: StreamingSpec | None = None
     drop_compute: DropComputeSpec | None = None
     straggler: StragglerSpec | None = None
-    seed: int = Field(default=0, ge=0)
-    threads: int = Field(default=1, ge=1)
+    seed: Integer = Field(default=0, ge=0)
+    threads: Integer = Field(default=1, ge=1)
     # Where the model trains: cuda is checked where the job starts (`job.job_device`, which
     # names this field), so a scenario for a GPU host checks anywhere.
     device: Literal["cpu", "cuda"] = "cpu"
-    eval_every: int = Field(default=0, ge=0)
-    eval_samples: int = Field(default=512, ge=1)
-    context: int = Field(default=64, ge=2)
-    corpus_chars: int = Field(default=2_000_000, ge=10_000)
-    width: int = Field(default=64, ge=4, multiple_of=4)  # char-lm: 4 heads share it
-    layers: int = Field(default=2, ge=1)
+    eval_every: Integer = Field(default=0, ge=0)
+    eval_samples: Integer = Field(default=512, ge=1)
+    context: Integer = Field(default=64, ge=2)
+    corpus_chars: Integer = Field(default=2_000_000, ge=10_000)
+    width: Integer = Field(default=64, ge=4, multiple_of=4)  # char-lm: 4 heads share it
+    layers: Integer = Field(default=2, ge=1)
 
     @model_validator(mode="before")
     @classmethod

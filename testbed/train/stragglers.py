@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from netem.profile import Fraction, Seconds, describe_errors
+from netem.profile import Fraction, Integer, Number, Seconds, describe_errors
 
 KINDS = ("fixed", "exponential", "lognormal", "burst")
 
@@ -38,7 +38,7 @@ class LogNormal(_Spec):
     """Heavy-tailed noise as measured on shared machines: `median` and the log-space `sigma`."""
 
     median: Seconds = Field(gt=0)
-    sigma: float = Field(ge=0)
+    sigma: Number = Field(ge=0)
 
 
 class Burst(_Spec):
@@ -46,7 +46,7 @@ class Burst(_Spec):
 
     probability: Fraction
     delay: Seconds
-    steps: int = Field(default=1, ge=1)
+    steps: Integer = Field(default=1, ge=1)
 
     @property
     def busy_fraction(self) -> float:

@@ -300,6 +300,37 @@ def test_each_mistake_is_named_with_its_path_line_and_what_is_allowed(case: str)
     assert any(p == path and fragment in m and n == line for p, m, n in found), found
 
 
+# YAML reads true/false (and yes/no/on/off) as booleans, which Python would count as 1 and 0:
+# every number of every part of a scenario refuses them, as its JSON Schema does.
+BOOLEAN_NUMBERS = {
+    "the run's seed": ("seed: yes\n", "seed", "expected an integer, got true"),
+    "a job's steps": ("job: {steps: true}\n", "job.steps", "expected an integer, got true"),
+    "an optimizer's rate": ("job: {optimizer: {sgd: {lr: true}}}\n", "job.optimizer.sgd.lr",
+                            "expected a number, got true"),
+    "a straggler's parameter": ("job: {straggler: {lognormal: {median: 10ms, sigma: true}}}\n",
+                                "job.straggler.lognormal.sigma", "expected a number, got true"),
+    "a metrics port": ("metrics: {port: false}\n", "metrics.port",
+                       "expected an integer, got false"),
+    "a collective's option": ("collective: {kind: lossy, parity: true}\n", "collective.parity",
+                              "expected 0 (none) or the chunks per parity chunk, got True"),
+    "a compressor's option": ("collective: {kind: lossy, compressor: {kind: topk, density: on}}\n",
+                              "collective.compressor.density", "expected a number, got true"),
+    "a worker's slowdown": ("workers: {count: 4, overrides: [{worker: 1, slowdown: true}]}\n",
+                            "workers.overrides[0].slowdown", "expected a number, got true"),
+    "a link's gap": ("topology: {default: {gap: false}}\n", "topology.default.gap",
+                     "expected an integer, got false"),
+    "a link's seed": ("topology: {default: {loss: 1%, seed: true}}\n", "topology.default.seed",
+                      "expected an integer, got true"),
+}
+
+
+@pytest.mark.parametrize("case", BOOLEAN_NUMBERS, ids=list(BOOLEAN_NUMBERS))
+def test_no_boolean_is_taken_for_a_number(case: str):
+    text, path, message = BOOLEAN_NUMBERS[case]
+    found = problems("name: x\n" + text)
+    assert any(p == path and message in m and n == 2 for p, m, n in found), found
+
+
 def test_yaml_syntax_error_has_line_and_column():
     with pytest.raises(ScenarioError) as caught:
         load_scenario("name: x\nworkers: [1, 2\n")
