@@ -235,7 +235,6 @@ class Node:
         self._posted = 0  # addresses posted in the store, as this node last read them
         self._client: Any = None
         self._writer: Any = None  # worker 0's: the run's own records
-        self._records: Any = None  # this node's own (`_record`)
         self._timeline: Timeline | None = None
         # The traced links into this worker: each worker replays its own (docs/conditions.md).
         self._replay = LinkReplay(self.network, {
@@ -304,11 +303,10 @@ class Node:
         where the timeline's records are worker 0's alone)."""
         if self.run_dir == self.runs:  # no run directory yet: nothing ran to record
             return
-        if self._records is None:
-            from testbed.report import RunWriter
+        from testbed.report import RunWriter
 
-            self._records = RunWriter.open(self.run_dir, rank=self.rank)
-        self._records.event(kind, **fields)
+        with RunWriter.open(self.run_dir, rank=self.rank) as records:  # two at most: at the end
+            records.event(kind, **fields)
 
     def _resolve(self) -> None:
         """The workers' addresses (names resolved), the interface to shape (`auto`: the one
