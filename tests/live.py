@@ -1,14 +1,16 @@
 """Helpers for tests that watch something live from outside: an instant PromQL query through
 the port a Compose project or a stack publishes; `wait_for`, the bounded poll that names what it
 last saw, and what it polls (whether a process ended; a condition that fails at once when its
-process ended first, or that reads datagram endpoints meanwhile); what worker processes hand
-back through a queue."""
+process ended first, or that reads datagram endpoints meanwhile); a `testbed run` in a process
+of its own, for the tests that signal or kill it; what worker processes hand back through a
+queue."""
 
 from __future__ import annotations
 
 import json
 import queue
 import subprocess
+import sys
 import time
 import urllib.parse
 import urllib.request
@@ -18,6 +20,7 @@ from multiprocessing.queues import Queue
 from pathlib import Path
 from typing import Any, TypeVar
 
+from netem.lab import lab_namespaces
 from testbed.compose import PROMETHEUS_PORT
 
 T = TypeVar("T")
@@ -78,6 +81,28 @@ def unless_ended(condition: Callable[[], bool], process: subprocess.Popen[Any],
         return False
 
     return read
+
+
+def start_run(scenario: Path, out: Path, what: str, ready: Callable[[], bool], *options: str,
+              timeout: float = 120.0) -> tuple[subprocess.Popen[bytes], set[str]]:
+    """`testbed run SCENARIO -o OUT OPTIONS` in a process of its own, returned once `ready()` holds
+    (named `what` if it never does): the process, and the namespaces the run made (by the
+    prefix it recorded: other tests' labs may come and go meanwhile). Its stderr goes to
+    OUT.stderr; the process is killed if it ends or fails to get ready."""
+    stderr = out.with_suffix(".stderr")
+    runner = subprocess.Popen([sys.executable, "-m", "testbed.cli", "run", str(scenario),
+                               "--sandbox", "none", "-o", str(out), *options],
+                              stdout=subprocess.DEVNULL, stderr=stderr.open("w"))
+    try:
+        wait_for(what, unless_ended(ready, runner, lambda: stderr.read_text()[-3000:]), bool,
+                 timeout, every=0.2)
+        cluster = next(json.loads(line) for line in (out / "events.jsonl").read_text()
+                       .splitlines() if '"cluster"' in line)
+        return runner, set(lab_namespaces(cluster["prefix"]))
+    except BaseException:
+        runner.kill()
+        runner.wait()
+        raise
 
 
 def reading(condition: Callable[[], bool], *endpoints: Any) -> Callable[[], bool]:

@@ -10,12 +10,10 @@ from __future__ import annotations
 import json
 import math
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from live import unless_ended, wait_for
+from live import start_run
 from scapy.layers.inet import IP, UDP
 from scapy.utils import PcapReader
 from typer.testing import CliRunner
@@ -180,15 +178,11 @@ def test_ctrl_c_leaves_whole_files_and_a_summary(tmp_path: Path):
     path = scenario(tmp_path, count=0, size=1000, seconds=600.0, capture="{links: []}")
     out = tmp_path / "run"
     orphans = set(lab_namespaces(orphans_only=True))
-    runner = subprocess.Popen([sys.executable, "-m", "testbed.cli", "run", str(path),
-                               "--sandbox", "none", "-o", str(out), "--capture", "0->1"],
-                              stdout=subprocess.DEVNULL,
-                              stderr=(tmp_path / "runner.stderr").open("w"))
+    received = out / "capture" / "0-1.received.pcap"
+    runner, _ = start_run(path, out, f"over 10 kB in {received}",
+                          lambda: received.exists() and received.stat().st_size > 10_000,
+                          "--capture", "0->1")
     try:
-        received = out / "capture" / "0-1.received.pcap"
-        captured = unless_ended(lambda: received.exists() and received.stat().st_size > 10_000,
-                                runner, (tmp_path / "runner.stderr").read_text)
-        wait_for(f"over 10 kB in {received}", captured, bool, 120, every=0.2)
         runner.send_signal(signal.SIGINT)
         assert runner.wait(60) == 130
     finally:

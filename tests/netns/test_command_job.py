@@ -10,12 +10,11 @@ import itertools
 import json
 import signal
 import subprocess
-import sys
 import urllib.request
 from pathlib import Path
 
 import pytest
-from live import unless_ended, wait_for
+from live import start_run
 
 from netem.lab import lab_namespaces
 from testbed.cluster.runner import ClusterRun
@@ -151,18 +150,12 @@ def test_a_program_that_fails_fails_the_run_with_its_last_words(tmp_path: Path):
 def test_ctrl_c_ends_every_program_and_leaves_nothing(tmp_path: Path):
     path = scenario(tmp_path, seconds=600.0)
     orphans = set(lab_namespaces(orphans_only=True))
-    runner = subprocess.Popen([sys.executable, "-m", "testbed.cli", "run", str(path),
-                               "--sandbox", "none", "-o", str(tmp_path / "run")],
-                              stdout=subprocess.DEVNULL,
-                              stderr=(tmp_path / "runner.stderr").open("w"))
+    logs = tmp_path / "run" / "logs"
+    runner, _ = start_run(path, tmp_path / "run", "every program's first line (the run directory)",
+                          lambda: all((logs / f"worker-{r}.stdout").exists() and
+                                      (logs / f"worker-{r}.stdout").stat().st_size
+                                      for r in range(WORLD)))
     try:
-        logs = tmp_path / "run" / "logs"
-        printed = unless_ended(lambda: all((logs / f"worker-{r}.stdout").exists() and
-                                           (logs / f"worker-{r}.stdout").stat().st_size
-                                           for r in range(WORLD)),
-                               runner, (tmp_path / "runner.stderr").read_text)
-        wait_for("every program's first line (the run directory)", printed, bool, 120,
-                 every=0.2)
         programs = [int(p) for p in subprocess.run(["pgrep", "-f", "program.py 600.0"],
                                                    capture_output=True, text=True).stdout.split()]
         assert len(programs) == WORLD

@@ -5,16 +5,14 @@ them left after the run, or after Ctrl-C."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
-import sys
 from functools import partial
 from pathlib import Path
 
 import pytest
-from live import ended, unless_ended, wait_for
+from live import ended, start_run, wait_for
 
 from netem.lab import lab_namespaces
 from testbed.cluster.runner import ClusterRun
@@ -102,19 +100,11 @@ def test_ctrl_c_ends_the_flows_with_the_run(tmp_path: Path):
     scenario = tmp_path / "traffic.yaml"
     scenario.write_text(SCENARIO.replace("{steps}", "100000"))
     out = tmp_path / "run"
-    runner = subprocess.Popen([sys.executable, "-m", "testbed.cli", "run", str(scenario),
-                               "--sandbox", "none", "-o", str(out)],
-                              stdout=subprocess.DEVNULL,
-                              stderr=(tmp_path / "runner.stderr").open("w"))
+    events = out / "events.jsonl"
+    runner, made = start_run(
+        scenario, out, "a background flow's first report",
+        lambda: events.exists() and '"type": "traffic"' in events.read_text())
     try:
-        sending = unless_ended(
-            lambda: '"type": "traffic"' in (out / "events.jsonl").read_text()
-            if (out / "events.jsonl").exists() else False, runner,
-            lambda: (tmp_path / "runner.stderr").read_text()[-3000:])
-        wait_for("a background flow's first report", sending, bool, 120, every=0.2)
-        cluster = next(json.loads(line) for line in (out / "events.jsonl").read_text()
-                       .splitlines() if '"cluster"' in line)
-        made = set(lab_namespaces(cluster["prefix"]))
         flows = iperf3_processes(runner.pid)
         assert len(flows) >= 3, flows  # two servers, and the UDP client at least
         runner.send_signal(signal.SIGINT)
