@@ -253,6 +253,7 @@ class Worker:
             self._collective.peer_moved(rank, host)
 
     def run(self) -> int:
+        entered = time.time()
         from testbed import collectives
         from testbed.metrics import WorkerMetrics
         from testbed.metrics.traffic import TrafficCollector, status_path
@@ -262,6 +263,7 @@ class Worker:
         spec = self.spec
         scenario = load_scenario(Path(spec.scenario), steps=spec.steps, base_dir=spec.base_dir)
         writer = RunWriter.open(spec.run_dir, rank=spec.rank)
+        startup = {"entered": entered - writer.started, "loaded": writer.now()}
         metrics = WorkerMetrics(spec.rank)
         if any(flow.dst == spec.rank for flow in scenario.traffic):
             metrics.registry.register(TrafficCollector(status_path(spec.run_dir, spec.rank),
@@ -288,7 +290,9 @@ class Worker:
                 collective = wrap(collective, compressor.kind, dense_tail=tail,
                                   **compressor.parameters())
             self._collective = collective
-            evaluation = self._train(scenario, collective, writer, metrics, PeerExchange(spec))
+            startup["connected"] = writer.now()
+            evaluation = self._train(scenario, collective, writer, metrics, PeerExchange(spec),
+                                     startup)
             say(rank=spec.rank, done=True, evaluation=evaluation,
                  seconds=time.monotonic() - started)
             if scenario.metrics.linger:  # the runner's SIGTERM ends it once all are done
@@ -329,7 +333,10 @@ class Worker:
         return code
 
     def _train(self, scenario: Any, collective: Any, writer: Any, metrics: Any,
-               exchange: PeerExchange) -> dict[str, float]:
+               exchange: PeerExchange, startup: dict[str, float]) -> dict[str, float]:
+        """Train to the last step. `startup`: when this worker (on the run's clock) entered
+        `run`, had its scenario loaded and its collective placed (connected, where it
+        connects); recorded as a `startup` event with when its job was built and it was ready."""
         from torch.nn.utils import parameters_to_vector
 
         from testbed.train.job import Job
@@ -338,6 +345,7 @@ class Worker:
         job = Job(config, collective, spec.rank, spec.world,
                   slowdown=scenario.slowdown(spec.rank))
         collective.set_shapes([tuple(p.shape) for p in job.parameters])
+        startup["built"] = writer.now()
         if spec.rejoin:  # where the others are, with their parameters (DiLoCo: outer state)
             start = exchange.progress() + 1
             # Moshpit: the parameters from its group
@@ -354,6 +362,9 @@ class Worker:
             start = 0
             exchange.barrier("start", START_WAIT)
             say(rank=spec.rank, ready=True)
+        startup["ready"] = writer.now()
+        writer.event("startup", rank=spec.rank, rejoin=spec.rejoin,
+                     **{stage: round(t, 3) for stage, t in startup.items()})
         self.on_start()
         # Progress is posted, and requests for parameters watched, only where a worker may
         # come back to read them.

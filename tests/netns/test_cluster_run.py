@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from live import ended, unless_ended, wait_for
+from live import ended, start_run, wait_for
 from typer.testing import CliRunner
 
 from netem.lab import lab_namespaces
@@ -55,6 +55,13 @@ def test_a_scenario_runs_end_to_end_and_leaves_no_network(tmp_path: Path):
     assert steps == {(rank, step) for rank in range(3) for step in range(STEPS)}
     (fault,) = run.faults
     assert fault.action == "set_link" and fault.fields.get("step") == 3
+    # Each worker's start-up stages, in order, before its first step (benchmarks/startup.py).
+    startups = {event["rank"]: event for event in run.other if event["type"] == "startup"}
+    assert set(startups) == {0, 1, 2}
+    for rank, event in startups.items():
+        first = min(s.t for s in run.steps if s.rank == rank)
+        stages = [event[stage] for stage in ("entered", "loaded", "connected", "built", "ready")]
+        assert stages[0] >= 0 and stages == sorted(stages) and stages[-1] <= first, event
     summary = json.loads((result.run_dir / "summary.json").read_text())
     assert summary["success"] is True
     assert result.html is not None and result.html.exists()
@@ -108,20 +115,10 @@ def _long_run(tmp_path: Path) -> tuple[Any, set[str], list[int]]:
     scenario.write_text(SCENARIO.replace(f"steps: {STEPS}", "steps: 100000").replace(
         "name: run-e2e", "name: long"))
     out = tmp_path / "run"
-    runner = subprocess.Popen([sys.executable, "-m", "testbed.cli", "run", str(scenario),
-                               "--sandbox", "none", "-o", str(out)],
-                              stdout=subprocess.DEVNULL,
-                              stderr=(tmp_path / "runner.stderr").open("w"))
+    runner, made = start_run(
+        scenario, out, "a worker's first step (the run directory)",
+        lambda: any(path.stat().st_size for path in out.glob("events-rank*.jsonl")))
     try:
-        stepped = unless_ended(
-            lambda: any(path.stat().st_size for path in out.glob("events-rank*.jsonl")), runner,
-            lambda: "the run ended before training started")
-        wait_for("a worker's first step (the run directory)", stepped, bool, 120, every=0.2)
-        # The run's own namespaces, by the prefix it recorded (other tests' labs may come and
-        # go meanwhile).
-        cluster = next(json.loads(line) for line in (out / "events.jsonl").read_text()
-                       .splitlines() if '"cluster"' in line)
-        made = set(lab_namespaces(cluster["prefix"]))
         workers = [int(pid) for name in made for pid in subprocess.run(
             ["ip", "netns", "pids", name], capture_output=True, text=True).stdout.split()]
         assert made and workers
@@ -172,7 +169,7 @@ def test_ctrl_c_or_sigterm_stops_a_run_and_removes_everything_it_made(tmp_path: 
             runner.wait(2)
         runner.kill()
         runner.wait()
-        stacks = (tmp_path / "runner.stderr").read_text()[-6000:]
+        stacks = (tmp_path / "run.stderr").read_text()[-6000:]
         raise AssertionError(f"the run did not end within 60 s of {said}:\n{stacks}") from None
 
     assert code == 128 + signum
