@@ -8,7 +8,8 @@ its directory was made, in the guest where it runs there): the namespaces up (`c
 worker's stages (`startup`: its process entered, scenario loaded, collective connected, job
 built, ready past the start barrier; the median over the workers), the first and last step
 (the first worker's first step event and the last worker's last), and the run's `end`. What the
-wall time holds beyond the run's own clock is the guest's boot and exit (and the CLI's start).
+wall time holds beyond the run's own clock is the CLI's start, the guest's boot and exit, and the
+report's plots.
 
 Writes benchmarks/results/startup.md, with the targets of the fast-loops work: the first step
 within 8 s of the cluster being up, and the guest's whole quickstart under 20 s.
@@ -19,6 +20,7 @@ within 8 s of the cluster being up, and the guest's whole quickstart under 20 s.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import subprocess
@@ -79,7 +81,9 @@ def run_once(scenario: Path, out: Path, sandbox: str) -> Timing:
     if not (out / "events.jsonl").exists():
         raise SystemExit(f"no run directory (exit {result.returncode}):\n"
                          f"{result.stderr[-4000:]}")
-    success = result.returncode == 0 and bool(json.loads(result.stdout or "{}").get("success"))
+    summary = out / "summary.json"
+    success = result.returncode == 0 and summary.exists() and bool(
+        json.loads(summary.read_text()).get("success"))
     return read_timing(out, "guest" if sandbox == "uml" else "host", wall, success)
 
 
@@ -105,13 +109,30 @@ def row(t: Timing) -> str:
             f"{t.end - t.last_step:.1f} | {t.end:.1f} | {'yes' if t.success else 'NO'} |")
 
 
+def spans(t: Timing) -> dict[str, float]:
+    """The run's wall time in consecutive spans, each named by what fills it."""
+    marks = [t.cluster, *(t.stages[stage] for stage in STAGES), t.first_step]
+    names = ["cluster up until the workers entered (the zygote's imports)",
+             *(f"{a} until {b}" for a, b in itertools.pairwise(STAGES)),
+             "ready until the first step done"]
+    between = zip(names, itertools.pairwise(marks), strict=True)
+    return {"outside the run's clock": t.outside,
+            "the run's start until the cluster was up": t.cluster,
+            **{name: b - a for name, (a, b) in between},
+            "training": t.last_step - t.first_step, "after the last step": t.end - t.last_step}
+
+
 def verdicts(timings: list[Timing]) -> list[str]:
-    """The two targets, met or missed, from this run's medians."""
+    """The two targets, met or missed, from this run's medians, and the largest spans."""
     said = []
     for where in ("guest", "host"):
         cell = [t for t in timings if t.where == where]
         if not cell:
             continue
+        medians = {name: statistics.median(spans(t)[name] for t in cell) for name in spans(cell[0])}
+        largest = sorted(medians.items(), key=lambda item: -item[1])[:3]
+        said.append(f"- {where}: the largest spans (medians): " + "; ".join(
+            f"{name} {seconds:.1f} s" for name, seconds in largest) + ".")
         since = statistics.median(t.first_step - t.cluster for t in cell)
         said.append(f"- {where}: first step {since:.1f} s after the cluster was up (median of "
                     f"{len(cell)}): target {FIRST_STEP_TARGET:.0f} s "
@@ -142,9 +163,9 @@ def main() -> int:
     RESULTS.write_text("\n".join([
         *run.header(f"Where `testbed run {args.scenario}` spends its time, in the guest and on "
                     "this host"),
-        "Seconds. *wall*: the command's; *outside*: wall minus the run's end (the guest's boot "
-        "and exit, the CLI's start); every other column on the run's own clock (0: its "
-        "directory made): *cluster* the namespaces up; "
+        "Seconds. *wall*: the command's; *outside*: wall minus the run's end (the CLI's start, "
+        "the guest's boot and exit, the report's plots); every other column on the run's own "
+        "clock (0: its directory made): *cluster* the namespaces up; "
         f"*{stages}*: each worker's start-up stages (docs/report.md, `startup`), the median over "
         "the workers; *first step* the first worker's first step done; *since cluster* first "
         "step minus cluster; *training* last step minus first; *after* the run's end minus the "

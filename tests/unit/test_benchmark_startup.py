@@ -42,8 +42,17 @@ def test_the_targets_are_met_or_missed_by_the_medians(tmp_path):
     slow = dataclasses.replace(met, first_step=met.cluster + 9.0, wall=25.0)
     host = dataclasses.replace(met, where="host")
     said = startup.verdicts([met, host])
-    assert said[0].endswith("target 8 s met.") and said[1].endswith("target 20 s met.")
-    assert said[2].startswith("- host:") and len(said) == 3
+    assert said[0] == ("- guest: the largest spans (medians): outside the run's clock 8.0 s; "
+                       "built until ready 3.0 s; after the last step 2.4 s.")
+    assert said[1].endswith("target 8 s met.") and said[2].endswith("target 20 s met.")
+    assert said[3].startswith("- host:") and len(said) == 5
     said = startup.verdicts([slow, slow, met])
-    assert "first step 9.0 s" in said[0] and said[0].endswith("missed.")
-    assert said[1].endswith("target 20 s missed.")
+    assert "first step 9.0 s" in said[1] and said[1].endswith("missed.")
+    assert said[2].endswith("target 20 s missed.")
+
+
+def test_the_spans_add_up_to_the_wall_time(tmp_path):
+    timing = startup.read_timing(written_run(tmp_path, ready=6.0).run_dir, "guest", 19.0, True)
+    spans = startup.spans(timing)
+    assert sum(spans.values()) == timing.wall
+    assert spans["connected until built"] == 0.5 and spans["built until ready"] == 3.0
