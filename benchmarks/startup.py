@@ -90,11 +90,11 @@ def run_once(scenario: Path, out: Path, sandbox: str) -> Timing:
 def read_timing(run_dir: Path, where: str, wall: float, success: bool) -> Timing:
     """A run directory's times (its `cluster`, `startup`, step and `end` records)."""
     run = load_run(run_dir)
-    kinds = {event["type"]: event["t"] for event in run.other if "rank" not in event}
     startups = [event for event in run.other if event["type"] == "startup"]
     ranks = {s.rank for s in run.steps}
     return Timing(
-        where=where, wall=wall, cluster=kinds["cluster"],
+        where=where, wall=wall,
+        cluster=next(event["t"] for event in run.other if event["type"] == "cluster"),
         stages={stage: statistics.median(event[stage] for event in startups) for stage in STAGES},
         first_step=min(min(s.t for s in run.steps if s.rank == rank) for rank in ranks),
         last_step=max(s.t for s in run.steps), end=next(e.t for e in run.ends if e.rank is None),

@@ -198,9 +198,8 @@ def _gpus(value: Any) -> Any:
     return workers
 
 
-GpuIndex = Annotated[int, Field(ge=0), AN_INTEGER]
-GpuCount = Annotated[int, Field(ge=1), AN_INTEGER]
-Gpus = Annotated[Literal["all"] | GpuCount | list[GpuIndex | list[GpuIndex]],
+GpuIndex = Annotated[int, Field(ge=0)]
+Gpus = Annotated[Literal["all"] | Annotated[int, Field(ge=1)] | list[GpuIndex | list[GpuIndex]],
                  BeforeValidator(_gpus)]
 
 
