@@ -9,12 +9,13 @@ worker's stages (`startup`: its process entered, scenario loaded, collective con
 built, ready past the start barrier; the median over the workers), the first and last step
 (the first worker's first step event and the last worker's last), and the run's `end`. What the
 wall time holds beyond the run's own clock is the CLI's start, the guest's boot and exit, and the
-report's plots.
+report's plots (drawn on this host once the guest is done). The zygote's imports, the largest
+span in the guest, are then timed one module at a time in a fresh guest.
 
 Writes benchmarks/results/startup.md, with the targets of the fast-loops work: the first step
 within 8 s of the cluster being up, and the guest's whole quickstart under 20 s.
 
-    .venv/bin/python -m benchmarks.startup [--runs 2] [--label before]
+    .venv/bin/python -m benchmarks.startup [--runs 2]
 """
 
 from __future__ import annotations
@@ -85,6 +86,31 @@ def run_once(scenario: Path, out: Path, sandbox: str) -> Timing:
     success = result.returncode == 0 and summary.exists() and bool(
         json.loads(summary.read_text()).get("success"))
     return read_timing(out, "guest" if sandbox == "uml" else "host", wall, success)
+
+
+IMPORTS = """
+import importlib, json, time
+from testbed.cluster.zygote import PRELOAD
+took = {}
+for name in PRELOAD:
+    begun = time.monotonic()
+    importlib.import_module(name)
+    took[name] = time.monotonic() - begun
+print("IMPORTS " + json.dumps(took))
+"""
+
+
+def guest_imports() -> dict[str, float]:
+    """Seconds each of the zygote's imports takes in a fresh guest, in the zygote's order."""
+    result = subprocess.run(
+        [sys.executable, "-m", "testbed.cli", "sandbox", "run", "--", sys.executable, "-c",
+         IMPORTS], capture_output=True, text=True, timeout=600, cwd=REPO)
+    line = next((line for line in result.stdout.splitlines() if line.startswith("IMPORTS ")),
+                None)
+    if result.returncode != 0 or line is None:
+        raise SystemExit(f"the imports in the guest failed (exit {result.returncode}):\n"
+                         f"{result.stdout[-2000:]}{result.stderr[-2000:]}")
+    return json.loads(line.removeprefix("IMPORTS "))
 
 
 def read_timing(run_dir: Path, where: str, wall: float, success: bool) -> Timing:
@@ -159,6 +185,7 @@ def main() -> int:
             for path, sandbox in ((scenario, "uml"), (host, "none")):
                 timings.append(run_once(path, Path(work) / f"{sandbox}-{index}", sandbox))
                 print(row(timings[-1]), flush=True)
+    imports = guest_imports()
     stages = " | ".join(STAGES)
     RESULTS.write_text("\n".join([
         *run.header(f"Where `testbed run {args.scenario}` spends its time, in the guest and on "
@@ -175,7 +202,10 @@ def main() -> int:
         "training | after | end | success |",
         "|---|" + "---:|" * (8 + len(STAGES)) + "---|",
         *(row(t) for t in timings), "",
-        *verdicts(timings), ""]))
+        *verdicts(timings),
+        f"- guest: the zygote's imports one at a time in a fresh guest, "
+        f"{sum(imports.values()):.1f} s in all: " + "; ".join(
+            f"{name} {seconds:.1f} s" for name, seconds in imports.items()) + ".", ""]))
     print(f"wrote {RESULTS}")
     return 0
 

@@ -87,6 +87,9 @@ def run(
     json_output: Annotated[bool, typer.Option("--json", help="No live display: print the "
                                               "run's summary.json at the end (docs/cli.md).")
                            ] = False,
+    report: Annotated[bool, typer.Option(
+        help="Draw the report (plots and index.html) at the end; --no-report leaves it to "
+        "`testbed report RUN_DIR`.")] = True,
 ) -> None:
     """Run a scenario end to end: its network, its workers, its fault timeline; a live display,
     a summary table, and the run directory with the report. Exit 1 if the run failed."""
@@ -105,14 +108,15 @@ def run(
         raise typer.Exit(2) from None
     if in_guest(sandbox, loaded):
         raise typer.Exit(_run_in_guest(path, loaded.name, steps, out, capture or [],
-                                       json_output))
-    _run_here(path, steps, out, capture or [], json_output)
+                                       json_output, report))
+    _run_here(path, steps, out, capture or [], json_output, report)
 
 
 def _run_in_guest(path: Path, name: str, steps: int | None, out: str | None,
-                  capture: list[str], json_output: bool = False) -> int:
+                  capture: list[str], json_output: bool = False, report: bool = True) -> int:
     """The whole run inside a UML guest with a netem kernel; the run directory is shared (the
-    guest's root is this host's)."""
+    guest's root is this host's). The report is drawn here, after the guest: on this host's
+    CPUs it takes 2-3 s, in the guest's one emulated CPU 9 s (benchmarks/results/startup.md)."""
     from netem import sandbox
     from testbed.cluster.runner import safe_name
 
@@ -123,7 +127,7 @@ def _run_in_guest(path: Path, name: str, steps: int | None, out: str | None,
     typer.echo(f"this kernel has no netem: running in a User-Mode Linux guest "
                f"({sandbox.describe(kernel)})", err=json_output)
     argv = [sys.executable, "-m", "testbed.cli", "run", str(Path(path).resolve()), "--sandbox",
-            "none", "--out", str(Path(out).resolve())]
+            "none", "--out", str(Path(out).resolve()), "--no-report"]
     if steps is not None:
         argv += ["--steps", str(steps)]
     for link in capture:
@@ -135,11 +139,19 @@ def _run_in_guest(path: Path, name: str, steps: int | None, out: str | None,
         env[FORCE_TERMINAL] = "1"
     result = call_sandbox(lambda: sandbox.run(argv, kernel=kernel, env=env, mem=GUEST_MEM,
                                               timeout=GUEST_TIMEOUT))
+    from testbed.report.run import EVENTS
+
+    if report and (Path(out) / EVENTS).exists():  # a run the guest began, however it ended
+        from testbed.cluster.runner import render
+
+        html = render(Path(out))
+        if html is not None:
+            typer.echo(f"report: {html}", err=json_output)
     return result.returncode
 
 
 def _run_here(path: Path, steps: int | None, out: str | None, capture: list[str],
-              json_output: bool = False) -> None:
+              json_output: bool = False, report: bool = True) -> None:
     """The run on this host, with a live table of its workers (none with --json: stdout is
     for the summary's JSON alone)."""
     from netem.plan import UnsupportedByKernel
@@ -147,7 +159,7 @@ def _run_here(path: Path, steps: int | None, out: str | None, capture: list[str]
 
     console = Console(force_terminal=True if os.environ.get(FORCE_TERMINAL) else None,
                       stderr=json_output)  # with --json, stdout is the summary's alone
-    cluster = ClusterRun(path, steps=steps, run_dir=out, capture=capture)
+    cluster = ClusterRun(path, steps=steps, run_dir=out, capture=capture, report=report)
     console.print(f"run directory: {cluster.run_dir}")
     try:
         with (contextlib.nullcontext(None) if json_output else

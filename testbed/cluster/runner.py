@@ -30,9 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from netem.namespace import inside
 from testbed.cluster.capture import RunCapture
-from testbed.cluster.exchange import serve_run_store
 from testbed.cluster.network import ClusterNetwork
 from testbed.cluster.relay import TARGETS_FILE, MetricsRelay
 from testbed.cluster.replay import LinkReplay
@@ -100,7 +98,8 @@ class RunResult:
 class ClusterRun:
     """One run of `scenario_path` (its steps overridden by `steps`, e.g. to shorten it in CI)
     into `run_dir` (default: `runs/<name>-<UTC time>`), capturing the scenario's links and
-    `capture` ("0->1", ...: `Scenario.with_capture`, a `ValueError` names a bad one)."""
+    `capture` ("0->1", ...: `Scenario.with_capture`, a `ValueError` names a bad one). With
+    `report` false the run draws no report (`testbed report RUN_DIR` draws it later)."""
 
     def __init__(
         self,
@@ -110,8 +109,10 @@ class ClusterRun:
         run_dir: str | Path | None = None,
         backend: str = "auto",
         capture: Sequence[str] | None = None,
+        report: bool = True,
     ) -> None:
         self.scenario_path = Path(scenario_path)
+        self.report = report
         self.steps = steps
         self.scenario: Scenario = load_scenario(self.scenario_path, steps=steps).with_capture(
             list(capture or ()))
@@ -173,9 +174,11 @@ class ClusterRun:
                 self._zygote = Zygote(lambda rank, report: self._reports.put((rank, report)),
                                       stderr=zygote_log)
                 stack.callback(self._zygote.close)
-                with inside(network.lab.switch):  # on the bridge, never shaped
-                    store = [serve_run_store(network.control_address, PORTS["drift"])]
-                stack.callback(store.clear)  # served until the workers are gone
+                # On the bridge, never shaped; served until the zygote is closed, after the
+                # workers are gone.
+                self._zygote.serve_store(network.control_address, PORTS["drift"],
+                                         network.lab.switch,
+                                         str(Path(zygote_log.name).resolve()))
                 if self.scenario.capture_pairs():
                     self.capture = RunCapture(self.scenario, self.run_dir, writer.started)
                     stack.callback(self.capture.close, network)  # once the workers are gone
@@ -235,7 +238,7 @@ class ClusterRun:
             (self.run_dir / KEY_FILE).unlink(missing_ok=True)  # of no use once the run is over
             summary = writer.finish(success=error is None, error=error)
             writer.close()
-            html = render(self.run_dir)
+            html = render(self.run_dir) if self.report else None
             self.result = RunResult(self.run_dir, error is None, time.monotonic() - started,
                                     self.workers, summary, html, error)
         return self.result

@@ -11,6 +11,11 @@ zygote reports on its stdout, one JSON line each, `{"started": rank, "pid": ...}
 JSON lines share that stdout (each is one write, and carries its rank). The zygote runs no
 torch operation and starts no thread, so a fork copies a quiet process.
 
+It forks the run's store too (`serve_store`): a torch TCPStore needs torch, and the runner,
+which imports none, would otherwise pay a second import of it (10 s of the guest's one CPU).
+The store's child serves until the zygote's stdin ends (the run is over, or the runner gone):
+the zygote then sends it SIGTERM and reaps it with the workers.
+
 `Zygote` is the runner's end: `spawn(rank, spec, netns, log) -> ForkedWorker`, whose `poll`,
 `wait` and `pid` stand in for a `subprocess.Popen`'s.
 """
@@ -28,23 +33,25 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 from testbed.cluster.worker import say
 
 CLONE_NEWNET = 0x40000000
+PR_SET_PDEATHSIG = 1
+STORE = "store"  # the key of the store's child, where workers have their rank
 # torch._dynamo: every optimizer's first step imports it (~800 modules: 1.8 s of CPU here, and in
 # the UML guest, with every worker importing at once over its slow file system, once minutes).
-PRELOAD = ("torch", "torch._dynamo", "testbed.cluster.worker", "testbed.collectives",
-           "testbed.metrics", "testbed.report", "testbed.scenario", "testbed.train")
-OPTIONAL = ("sklearn.datasets",)  # the digits' loader: seconds of imports, if installed
+PRELOAD = ("torch", "torch._dynamo", "testbed.cluster.exchange", "testbed.cluster.worker",
+           "testbed.collectives", "testbed.metrics.drift", "testbed.metrics.worker",
+           "testbed.report", "testbed.scenario", "testbed.train")
 REAP_EVERY = 0.05  # seconds between the zygote's looks for exited children
 
 
 class ForkedWorker:
     """A worker forked by the zygote: its pid and, once the zygote saw it end, its exit code."""
 
-    def __init__(self, rank: int) -> None:
+    def __init__(self, rank: int | str) -> None:
         self.rank = rank
         self.pid = 0
         self.returncode: int | None = None
@@ -69,7 +76,7 @@ class Zygote:
                  stderr: Any = None, start_timeout: float = 300.0) -> None:
         self.on_line = on_line
         self.start_timeout = start_timeout
-        self._workers: dict[int, ForkedWorker] = {}  # the latest of each rank
+        self._workers: dict[int | str, ForkedWorker] = {}  # the latest of each rank
         self._lock = threading.Lock()
         self._process = subprocess.Popen(
             [sys.executable, "-m", "testbed.cluster.zygote"], stdin=subprocess.PIPE,
@@ -80,19 +87,28 @@ class Zygote:
     def spawn(self, rank: int, spec: str, netns: str, log: str) -> ForkedWorker:
         """Fork worker `rank` running `spec` in namespace `netns`, stderr appended to `log`;
         returns once it is forked (the zygote's imports come first, once)."""
-        worker = ForkedWorker(rank)
+        return self._fork(rank, {"rank": rank, "spec": spec, "netns": netns, "log": log})
+
+    def serve_store(self, host: str, port: int, netns: str, log: str) -> ForkedWorker:
+        """Fork the child that serves the run's store on `host`:`port` in namespace `netns`
+        until this zygote is closed; its stderr appended to `log`. Clients that connect before
+        it listens retry until it does."""
+        return self._fork(STORE, {"store": [host, port], "netns": netns, "log": log})
+
+    def _fork(self, key: int | str, request: dict[str, Any]) -> ForkedWorker:
+        child = ForkedWorker(key)
         with self._lock:
-            self._workers[rank] = worker
+            self._workers[key] = child
         assert self._process.stdin is not None
-        self._process.stdin.write(json.dumps({"rank": rank, "spec": spec, "netns": netns,
-                                              "log": log}) + "\n")
+        self._process.stdin.write(json.dumps(request) + "\n")
         self._process.stdin.flush()
-        if not worker._started.wait(self.start_timeout):
-            raise RuntimeError(f"the zygote did not fork worker {rank} within "
+        name = "the store" if key == STORE else f"worker {key}"
+        if not child._started.wait(self.start_timeout):
+            raise RuntimeError(f"the zygote did not fork {name} within "
                                f"{self.start_timeout:g} s (exit {self._process.poll()})")
-        if worker.pid < 0:
-            raise RuntimeError(f"the zygote could not fork worker {rank}")
-        return worker
+        if child.pid < 0:
+            raise RuntimeError(f"the zygote could not fork {name}")
+        return child
 
     def close(self) -> None:
         """End the zygote (its stdin closes; it forks no more). Workers are the caller's."""
@@ -152,9 +168,9 @@ def _enter(netns: str) -> None:
 
 
 def _child(request: dict[str, Any]) -> int:
-    """In the forked child: become worker `request['rank']`."""
-    from testbed.cluster import worker
-
+    """In the forked child: a session of its own (its group is signalled as one), stderr to
+    its log, no stdin, in its namespace; then become worker `request['rank']`, or serve the
+    run's store."""
     os.setsid()
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -164,35 +180,55 @@ def _child(request: dict[str, Any]) -> int:
     os.dup2(devnull, 0)
     os.close(devnull)
     _enter(request["netns"])
+    if "store" in request:
+        return _serve_store(*request["store"])
+    from testbed.cluster import worker
+
     return worker.run_worker(request["spec"])
 
 
-def main() -> int:
+def _serve_store(host: str, port: int) -> int:
+    """Serve the run's store until SIGTERM (from the zygote), or the zygote's death."""
+    from testbed.cluster.exchange import serve_run_store
+
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    served = [serve_run_store(host, port)]  # listens for as long as it is referenced
+    while served:
+        signal.pause()
+    return 0
+
+
+def main() -> NoReturn:
     for name in PRELOAD:  # the point of the zygote: imported once, shared by every fork
         importlib.import_module(name)
-    for name in OPTIONAL:
-        with contextlib.suppress(ImportError):
-            importlib.import_module(name)
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the runner's to handle
-    children: dict[int, int] = {}  # pid -> rank
+    children: dict[int, int | str] = {}  # pid -> rank, or STORE
     pending = b""
     reading = True
     while reading or children:
         if reading and select.select([0], [], [], REAP_EVERY)[0]:
             data = os.read(0, 1 << 16)
-            reading = bool(data)  # EOF: the runner is done (or gone); reap what is left
             pending += data
             *lines, pending = pending.split(b"\n")
             for line in filter(None, (raw.strip() for raw in lines)):
                 request = json.loads(line)
+                key = STORE if "store" in request else request["rank"]
                 pid = _fork(request)
-                children[pid] = request["rank"]
-                say(started=request["rank"], pid=pid)
+                children[pid] = key
+                say(started=key, pid=pid)
+            if not data:  # EOF: the runner is done (or gone): end the store, reap the rest
+                reading = False
+                for pid in [pid for pid, key in children.items() if key == STORE]:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGTERM)
         elif not reading:
             select.select([], [], [], REAP_EVERY)
         _reap(children)
-    return 0
+    sys.stdout.flush()
+    # Out without the interpreter's clean-up: tearing down torch's thousands of modules took
+    # 4.8 s of the guest's one CPU at the end of every run, and there is nothing to clean.
+    os._exit(0)
 
 
 def _fork(request: dict[str, Any]) -> int:
@@ -215,7 +251,7 @@ def _fork(request: dict[str, Any]) -> int:
         os._exit(code)
 
 
-def _reap(children: dict[int, int]) -> None:
+def _reap(children: dict[int, int | str]) -> None:
     """Report every child that ended, with its exit code."""
     while children:
         try:
@@ -230,4 +266,4 @@ def _reap(children: dict[int, int]) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -11,6 +11,7 @@ job seed decides which worker gets which training samples and in what order it v
 from __future__ import annotations
 
 import functools
+import gzip
 import os
 import sysconfig
 from collections.abc import Iterator
@@ -21,10 +22,11 @@ from typing import Literal
 import numpy as np
 import torch
 
-from netem.extras import require
+from netem.extras import locate
 
 SPLIT_SEED = 0
 HELD_OUT = 0.2
+DIGITS_FILE = ("datasets", "data", "digits.csv.gz")  # in scikit-learn's package
 SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
 
 
@@ -42,11 +44,14 @@ class Dataset:
 
 @functools.cache
 def digits() -> Dataset:
-    """scikit-learn's digits: 64 pixel features, 10 classes, 20% held out."""
-    datasets = require("sklearn.datasets", "digits", "the digits data (models mlp and cnn)")
-    bunch = datasets.load_digits()
-    x = torch.from_numpy(bunch.data / 16.0).float()
-    y = torch.from_numpy(bunch.target).long()
+    """scikit-learn's digits: 64 pixel features, 10 classes, 20% held out. Read from its file
+    as `sklearn.datasets.load_digits` reads it, without importing scikit-learn (seconds of
+    imports: 4.5 s in the guest)."""
+    package = locate("sklearn", "digits", "the digits data (models mlp and cnn)")
+    with gzip.open(package.joinpath(*DIGITS_FILE), "rt") as rows:
+        table = np.loadtxt(rows, delimiter=",")  # 64 pixels (0..16), then the label
+    x = torch.from_numpy(table[:, :-1] / 16.0).float()
+    y = torch.from_numpy(table[:, -1].astype(np.int64))
     order = torch.from_numpy(np.random.default_rng(SPLIT_SEED).permutation(len(y)))
     held = int(len(y) * HELD_OUT)
     test, train = order[:held], order[held:]

@@ -127,7 +127,7 @@ def test_command_line_boots_the_hosts_root_with_the_console_on_stdout():
         init=Path("/tmp/tb-uml-x/init"), uml_dir=Path("/tmp/tb-uml-x/uml"), umid="tb-1-ab"
     )
     assert " ".join(line) == (
-        "mem=1G quiet rootfstype=hostfs rootflags=/ rw con=null con0=null,fd:1 "
+        "mem=1G quiet rootfstype=hostfs rootflags=/ rw con=null con0=null,fd:1 seccomp=auto "
         "uml_dir=/tmp/tb-uml-x/uml umid=tb-1-ab init=/tmp/tb-uml-x/init"
     )
 

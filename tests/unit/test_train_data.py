@@ -67,3 +67,17 @@ def test_digits_split_is_fixed_and_scaled():
     assert data.train_x.shape == (1438, 64) and data.test_x.shape == (359, 64)
     assert float(data.train_x.min()) >= 0 and float(data.train_x.max()) <= 1
     assert set(data.test_y.tolist()) == set(range(10))
+
+
+def test_digits_are_scikit_learns_own():
+    """Read from scikit-learn's file without importing it: its loader's samples and labels, in
+    its order, split as before."""
+    from sklearn.datasets import load_digits
+
+    data, bunch = digits(), load_digits()
+    x = torch.from_numpy(bunch.data / 16.0).float()
+    y = torch.from_numpy(bunch.target).long()
+    order = torch.from_numpy(np.random.default_rng(0).permutation(len(y)))
+    held = len(data.test_y)
+    assert torch.equal(data.train_x, x[order[held:]]) and torch.equal(data.test_x, x[order[:held]])
+    assert torch.equal(data.train_y, y[order[held:]]) and torch.equal(data.test_y, y[order[:held]])
