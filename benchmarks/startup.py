@@ -10,7 +10,9 @@ built, ready past the start barrier; the median over the workers), the first and
 (the first worker's first step event and the last worker's last), and the run's `end`. What the
 wall time holds beyond the run's own clock is the CLI's start, the guest's boot and exit, and the
 report's plots (drawn on this host once the guest is done). The zygote's imports, the largest
-span in the guest, are then timed one module at a time in a fresh guest.
+span in the guest, are then timed one module at a time in a fresh guest; and two runs one after
+the other in one process in a guest (as a test suite or a sweep runs them) show what a run
+costs once its process has a zygote (*warm*; wall: the run's own, from its `ClusterRun`).
 
 Writes benchmarks/results/startup.md, with the targets of the fast-loops work: the first step
 within 8 s of the cluster being up, and the guest's whole quickstart under 20 s.
@@ -113,6 +115,32 @@ def guest_imports() -> dict[str, float]:
     return json.loads(line.removeprefix("IMPORTS "))
 
 
+TWO_RUNS = """
+import sys, time
+from testbed.cluster.runner import ClusterRun
+for out in sys.argv[2:]:
+    begun = time.monotonic()
+    result = ClusterRun(sys.argv[1], run_dir=out, report=False).run()
+    print(f"RUN {out} {time.monotonic() - begun} {int(result.success)}", flush=True)
+"""
+
+
+def runs_in_one_guest_process(scenario: Path, outs: list[Path]) -> list[Timing]:
+    """`outs` runs of `scenario` one after the other in one process in a guest: the first
+    starts a zygote (*cold*), the others take it (*warm*)."""
+    result = subprocess.run(
+        [sys.executable, "-m", "testbed.cli", "sandbox", "run", "--mem", "4G", "--",
+         sys.executable, "-c", TWO_RUNS, str(scenario), *map(str, outs)],
+        capture_output=True, text=True, timeout=1800, cwd=REPO)
+    done = [line.split()[1:] for line in result.stdout.splitlines() if line.startswith("RUN ")]
+    if result.returncode != 0 or len(done) != len(outs):
+        raise SystemExit(f"the runs in one guest process failed (exit {result.returncode}):\n"
+                         f"{result.stdout[-2000:]}{result.stderr[-2000:]}")
+    return [read_timing(Path(out), "guest, cold" if index == 0 else "guest, warm",
+                        float(wall), success == "1")
+            for index, (out, wall, success) in enumerate(done)]
+
+
 def read_timing(run_dir: Path, where: str, wall: float, success: bool) -> Timing:
     """A run directory's times (its `cluster`, `startup`, step and `end` records)."""
     run = load_run(run_dir)
@@ -151,7 +179,7 @@ def spans(t: Timing) -> dict[str, float]:
 def verdicts(timings: list[Timing]) -> list[str]:
     """The two targets, met or missed, from this run's medians, and the largest spans."""
     said = []
-    for where in ("guest", "host"):
+    for where in ("guest", "host", "guest, warm"):
         cell = [t for t in timings if t.where == where]
         if not cell:
             continue
@@ -185,13 +213,21 @@ def main() -> int:
             for path, sandbox in ((scenario, "uml"), (host, "none")):
                 timings.append(run_once(path, Path(work) / f"{sandbox}-{index}", sandbox))
                 print(row(timings[-1]), flush=True)
+        one_process = runs_in_one_guest_process(
+            scenario, [Path(work) / f"one-process-{index}" for index in range(2)])
+        timings += one_process
+        for timing in one_process:
+            print(row(timing), flush=True)
     imports = guest_imports()
     stages = " | ".join(STAGES)
     RESULTS.write_text("\n".join([
         *run.header(f"Where `testbed run {args.scenario}` spends its time, in the guest and on "
                     "this host"),
-        "Seconds. *wall*: the command's; *outside*: wall minus the run's end (the CLI's start, "
-        "the guest's boot and exit, the report's plots); every other column on the run's own "
+        "Seconds. *wall*: the command's (*guest, cold* and *guest, warm*: two runs one after "
+        "the other in one process in a guest, the first starting the zygote, the second taking "
+        "it; their wall is the run's own `ClusterRun.run`, without a report); *outside*: wall "
+        "minus the run's end (the CLI's start, the guest's boot and exit, the report's plots, "
+        "drawn on this host); every other column on the run's own "
         "clock (0: its directory made): *cluster* the namespaces up; "
         f"*{stages}*: each worker's start-up stages (docs/report.md, `startup`), the median over "
         "the workers; *first step* the first worker's first step done; *since cluster* first "

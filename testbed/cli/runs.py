@@ -115,8 +115,8 @@ def run(
 def _run_in_guest(path: Path, name: str, steps: int | None, out: str | None,
                   capture: list[str], json_output: bool = False, report: bool = True) -> int:
     """The whole run inside a UML guest with a netem kernel; the run directory is shared (the
-    guest's root is this host's). The report is drawn here, after the guest: on this host's
-    CPUs it takes 2-3 s, in the guest's one emulated CPU 9 s (benchmarks/results/startup.md)."""
+    guest's root is this host's). The report is drawn here, after the guest, on this host's
+    CPUs: the guest has one, and drew it in 9 s."""
     from netem import sandbox
     from testbed.cluster.runner import safe_name
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from testbed.cluster import zygote
 from testbed.cluster.capture import RunCapture
 from testbed.cluster.network import ClusterNetwork
 from testbed.cluster.relay import TARGETS_FILE, MetricsRelay
@@ -170,15 +171,14 @@ class ClusterRun:
                     self._probe_links(network, writer)
                 self._write_specs(network)
                 stack.enter_context(self._relay(network, writer))
-                zygote_log = stack.enter_context(open(self.run_dir / "logs" / "zygote.log", "a"))
-                self._zygote = Zygote(lambda rank, report: self._reports.put((rank, report)),
-                                      stderr=zygote_log)
-                stack.callback(self._zygote.close)
-                # On the bridge, never shaped; served until the zygote is closed, after the
-                # workers are gone.
-                self._zygote.serve_store(network.control_address, PORTS["drift"],
-                                         network.lab.switch,
-                                         str(Path(zygote_log.name).resolve()))
+                zygote_log = str((self.run_dir / "logs" / "zygote.log").resolve())
+                self._zygote = zygote.acquire(
+                    lambda rank, report: self._reports.put((rank, report)), zygote_log)
+                stack.callback(zygote.release, self._zygote)
+                # On the bridge, never shaped; served until the workers are gone.
+                store = self._zygote.serve_store(network.control_address, PORTS["drift"],
+                                                 network.lab.switch, zygote_log)
+                stack.callback(self._zygote.stop_store, store)
                 if self.scenario.capture_pairs():
                     self.capture = RunCapture(self.scenario, self.run_dir, writer.started)
                     stack.callback(self.capture.close, network)  # once the workers are gone

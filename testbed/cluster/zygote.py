@@ -13,15 +13,20 @@ torch operation and starts no thread, so a fork copies a quiet process.
 
 It forks the run's store too (`serve_store`): a torch TCPStore needs torch, and the runner,
 which imports none, would otherwise pay a second import of it (10 s of the guest's one CPU).
-The store's child serves until the zygote's stdin ends (the run is over, or the runner gone):
-the zygote then sends it SIGTERM and reaps it with the workers.
+The store's child serves until the run stops it, or the zygote's stdin ends (the runner gone):
+the zygote then sends it SIGTERM.
 
 `Zygote` is the runner's end: `spawn(rank, spec, netns, log) -> ForkedWorker`, whose `poll`,
-`wait` and `pid` stand in for a `subprocess.Popen`'s.
+`wait` and `pid` stand in for a `subprocess.Popen`'s. A process that runs one run after another
+(a test suite, a sweep) keeps the zygote of a run that ended with nothing left running, and the
+next run takes it (`acquire`, `release`): its imports are paid once per process, not per run
+(18 s each in the guest). Only a process with the same environment and directory takes it:
+what the workers inherit stays what the run's process has.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import importlib
@@ -46,6 +51,7 @@ PRELOAD = ("torch", "torch._dynamo", "testbed.cluster.exchange", "testbed.cluste
            "testbed.collectives", "testbed.metrics.drift", "testbed.metrics.worker",
            "testbed.report", "testbed.scenario", "testbed.train")
 REAP_EVERY = 0.05  # seconds between the zygote's looks for exited children
+IDLE_KEPT = 2  # zygotes kept between runs, at most, per process
 
 
 class ForkedWorker:
@@ -68,21 +74,92 @@ class ForkedWorker:
         return self.returncode
 
 
-class Zygote:
-    """The runner's end of the zygote. `on_line(rank, report)` gets every JSON line a worker
-    prints; started and exited workers update their `ForkedWorker`."""
+def _inherited() -> tuple[Any, ...]:
+    """What a zygote's workers inherit from the process that started it."""
+    return sys.executable, os.getcwd(), tuple(sorted(os.environ.items()))
 
-    def __init__(self, on_line: Callable[[int, dict[str, Any]], None], *,
-                 stderr: Any = None, start_timeout: float = 300.0) -> None:
-        self.on_line = on_line
+
+_idle: list[Zygote] = []
+_idle_lock = threading.Lock()
+
+
+def acquire(on_line: Callable[[int, dict[str, Any]], None], log: str) -> Zygote:
+    """A zygote for one run, its own stderr appended to `log`: one a run of this process left
+    idle, with what its workers inherit unchanged, or a new one."""
+    inherited = _inherited()
+    with _idle_lock:
+        kept = [z for z in _idle if z.inherited == inherited and z.alive()]
+        stale = [z for z in _idle if z not in kept]
+        _idle[:] = kept[1:]
+    for zygote in stale:
+        zygote.close()
+    zygote = kept[0] if kept else Zygote(inherited, log)
+    zygote.begin(on_line, log)
+    return zygote
+
+
+def release(zygote: Zygote) -> None:
+    """The run is over: keep its zygote for the next run when nothing it forked still runs,
+    else end it."""
+    if zygote.alive() and zygote.idle():
+        with _idle_lock:
+            if len(_idle) < IDLE_KEPT:
+                _idle.append(zygote)
+                return
+    zygote.close()
+
+
+@atexit.register
+def _close_idle() -> None:
+    with _idle_lock:
+        idle, _idle[:] = list(_idle), []
+    for zygote in idle:
+        zygote.close()
+
+
+class Zygote:
+    """The runner's end of the zygote. Each run `begin`s with its `on_line(rank, report)`,
+    which gets every JSON line a worker prints; started and exited workers update their
+    `ForkedWorker`."""
+
+    def __init__(self, inherited: tuple[Any, ...], log: str, *,
+                 start_timeout: float = 300.0) -> None:
+        self.inherited = inherited
+        self.on_line: Callable[[int, dict[str, Any]], None] = lambda rank, report: None
         self.start_timeout = start_timeout
         self._workers: dict[int | str, ForkedWorker] = {}  # the latest of each rank
         self._lock = threading.Lock()
-        self._process = subprocess.Popen(
-            [sys.executable, "-m", "testbed.cluster.zygote"], stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, stderr=stderr, text=True, start_new_session=True)
+        with open(log, "a") as stderr:  # until a run hands it another log
+            self._process = subprocess.Popen(
+                [sys.executable, "-m", "testbed.cluster.zygote"], stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE, stderr=stderr, text=True, start_new_session=True)
         self._reader = threading.Thread(target=self._read, name="zygote-reader", daemon=True)
         self._reader.start()
+
+    def begin(self, on_line: Callable[[int, dict[str, Any]], None], log: str) -> None:
+        """A run takes this zygote: its lines go to `on_line`, the zygote's stderr to `log`."""
+        with self._lock:
+            self._workers = {}
+        self.on_line = on_line
+        self._send({"stderr": log})
+
+    def alive(self) -> bool:
+        return self._process.poll() is None
+
+    def idle(self) -> bool:
+        """Whether everything it forked has ended (and been reported)."""
+        with self._lock:
+            return all(child.returncode is not None for child in self._workers.values())
+
+    def stop_store(self, store: ForkedWorker, grace: float = 10.0) -> None:
+        """End the run's store (SIGTERM, then SIGKILL after `grace` seconds)."""
+        for signum in (signal.SIGTERM, signal.SIGKILL):
+            if store.pid <= 0 or store.returncode is not None:
+                return
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(store.pid, signum)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                store.wait(grace)
 
     def spawn(self, rank: int, spec: str, netns: str, log: str) -> ForkedWorker:
         """Fork worker `rank` running `spec` in namespace `netns`, stderr appended to `log`;
@@ -95,13 +172,16 @@ class Zygote:
         it listens retry until it does."""
         return self._fork(STORE, {"store": [host, port], "netns": netns, "log": log})
 
+    def _send(self, request: dict[str, Any]) -> None:
+        assert self._process.stdin is not None
+        self._process.stdin.write(json.dumps(request) + "\n")
+        self._process.stdin.flush()
+
     def _fork(self, key: int | str, request: dict[str, Any]) -> ForkedWorker:
         child = ForkedWorker(key)
         with self._lock:
             self._workers[key] = child
-        assert self._process.stdin is not None
-        self._process.stdin.write(json.dumps(request) + "\n")
-        self._process.stdin.flush()
+        self._send(request)
         name = "the store" if key == STORE else f"worker {key}"
         if not child._started.wait(self.start_timeout):
             raise RuntimeError(f"the zygote did not fork {name} within "
@@ -111,7 +191,8 @@ class Zygote:
         return child
 
     def close(self) -> None:
-        """End the zygote (its stdin closes; it forks no more). Workers are the caller's."""
+        """End the zygote (its stdin closes; it forks no more, and ends the store). Workers
+        are the caller's."""
         with contextlib.suppress(OSError):
             if self._process.stdin is not None:
                 self._process.stdin.close()
@@ -167,15 +248,19 @@ def _enter(netns: str) -> None:
         os.close(fd)
 
 
+def _append_stderr_to(path: str) -> None:
+    log = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(log, 2)
+    os.close(log)
+
+
 def _child(request: dict[str, Any]) -> int:
     """In the forked child: a session of its own (its group is signalled as one), stderr to
     its log, no stdin, in its namespace; then become worker `request['rank']`, or serve the
     run's store."""
     os.setsid()
     signal.signal(signal.SIGINT, signal.SIG_DFL)
-    log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    os.dup2(log, 2)
-    os.close(log)
+    _append_stderr_to(request["log"])
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.close(devnull)
@@ -213,6 +298,9 @@ def main() -> NoReturn:
             *lines, pending = pending.split(b"\n")
             for line in filter(None, (raw.strip() for raw in lines)):
                 request = json.loads(line)
+                if "stderr" in request:  # a run takes this zygote: its log from now on
+                    _append_stderr_to(request["stderr"])
+                    continue
                 key = STORE if "store" in request else request["rank"]
                 pid = _fork(request)
                 children[pid] = key
