@@ -45,8 +45,8 @@ from testbed.cluster.worker import say
 CLONE_NEWNET = 0x40000000
 PR_SET_PDEATHSIG = 1
 STORE = "store"  # the key of the store's child, where workers have their rank
-# torch._dynamo: every optimizer's first step imports it (~800 modules: 1.8 s of CPU here, and in
-# the UML guest, with every worker importing at once over its slow file system, once minutes).
+# torch._dynamo: every torch.optim optimizer imports it when it is made (~800 modules: seconds
+# of CPU, in every worker if the zygote did not).
 PRELOAD = ("torch", "torch._dynamo", "testbed.cluster.exchange", "testbed.cluster.worker",
            "testbed.collectives", "testbed.metrics.drift", "testbed.metrics.worker",
            "testbed.report", "testbed.scenario", "testbed.train")
@@ -74,9 +74,15 @@ class ForkedWorker:
         return self.returncode
 
 
+# Variables that change under a process without changing what its workers need: pytest names
+# the test running in PYTEST_CURRENT_TEST, and a suite's runs would otherwise never share.
+NOT_INHERITED = frozenset({"PYTEST_CURRENT_TEST"})
+
+
 def _inherited() -> tuple[Any, ...]:
     """What a zygote's workers inherit from the process that started it."""
-    return sys.executable, os.getcwd(), tuple(sorted(os.environ.items()))
+    return sys.executable, os.getcwd(), tuple(sorted(
+        (name, value) for name, value in os.environ.items() if name not in NOT_INHERITED))
 
 
 _idle: list[Zygote] = []
@@ -168,8 +174,8 @@ class Zygote:
 
     def serve_store(self, host: str, port: int, netns: str, log: str) -> ForkedWorker:
         """Fork the child that serves the run's store on `host`:`port` in namespace `netns`
-        until this zygote is closed; its stderr appended to `log`. Clients that connect before
-        it listens retry until it does."""
+        until `stop_store` (or this zygote's end); its stderr appended to `log`. Clients that
+        connect before it listens retry until it does."""
         return self._fork(STORE, {"store": [host, port], "netns": netns, "log": log})
 
     def _send(self, request: dict[str, Any]) -> None:

@@ -12,6 +12,7 @@ def test_the_next_run_takes_the_idle_zygote_unless_the_environment_changed(tmp_p
     first = zygote.acquire(lambda rank, report: None, log)
     try:
         zygote.release(first)
+        monkeypatch.setenv("PYTEST_CURRENT_TEST", "the next test")  # pytest's, not the run's
         second = zygote.acquire(lambda rank, report: None, log)
         assert second is first and second.alive()
         zygote.release(second)
