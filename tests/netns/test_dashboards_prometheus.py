@@ -11,8 +11,14 @@ metric a panel shows:
   straggler whom the others wait for only 100 ms (`straggler_timeout`: late datagrams,
   straggler wait) with DropCompute at 50 ms (drops), a straggler burst on worker 1 at step 15,
   evaluations every 10 steps (eval loss, accuracy);
-- moshpit: Moshpit averaging with worker 3 killed at step 25 and restarted at step 30 (rounds,
-  incomplete rounds, calls without a peer, a rejoin);
+- moshpit: Moshpit averaging with worker 3 killed at step 60 and restarted at step 65 (rounds,
+  incomplete rounds, calls without a peer, a rejoin). The Rejoins panel counts resets of the
+  step counter, so Prometheus must have scraped worker 3 before the kill: it finds a run's
+  targets up to ~7 s after the file appears (its discovery hands targets to the scrapes at
+  most every 5 s, the file is reread every 1 s, a scrape every 1 s), and every step takes at
+  least 150 ms (the job's straggler delay), so the kill comes 9 s or more after the first
+  step. (At step 25, once the zygote was warm from the run before, the kill came at 5.2 s and
+  worker 3's first scrape at 5.7 s, after it.)
 - ring: the ring all-reduce over links with 3% loss (its own sockets' retransmits), beside two
   background flows into worker 3 (TCP bulk, and on/off UDP whose datagrams the loss takes).
   Not more loss, and a receive limit of 120 s, not 30: on a lossy link TCP's timestamps take
@@ -94,13 +100,13 @@ MOSHPIT = """
 name: dash-moshpit
 seed: 5
 workers: 4
-job: {model: mlp, steps: 80, batch: 32, strategy: average, average_every: 2,
+job: {model: mlp, steps: 120, batch: 32, strategy: average, average_every: 2,
       straggler: {fixed: 150ms}}
 collective: {kind: moshpit, group_size: 2, timeout: 1.0, heartbeat: 0.2}
 metrics: {drift_every: 0, linger: 60s}
 timeline:
-  - {step: 25, kill: 3}
-  - {step: 30, restart: 3}
+  - {step: 60, kill: 3}
+  - {step: 65, restart: 3}
 """
 RING = """
 name: dash-ring
@@ -114,7 +120,7 @@ traffic:
   - {from: 2, to: 3, kind: tcp}
   - {from: 0, to: 3, kind: udp, rate: 5mbit, on: 1s, off: 500ms}
 """
-SCENARIOS = {"lossy": (LOSSY, 30), "moshpit": (MOSHPIT, 80), "ring": (RING, 250)}
+SCENARIOS = {"lossy": (LOSSY, 30), "moshpit": (MOSHPIT, 120), "ring": (RING, 250)}
 # The faults of those runs, as the annotations title them: run -> action and target.
 FAULTS = {"lossy": {"set_link 0<->1", "straggler_burst 1"},
           "moshpit": {"kill 3", "restart 3"}, "ring": set()}
