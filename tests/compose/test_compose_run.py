@@ -172,9 +172,13 @@ def test_a_compose_run_is_shaped_scraped_live_and_leaves_nothing(docker_engine, 
         active = promql('testbed_traffic_active{rank="0",flow="background"}')
         assert list(active.values()) == [1.0], (active, flow, rates)
 
-        drift = wait_for("a drift measurement on every worker",
-                         lambda: promql("testbed_parameter_drift_ratio"),
-                         lambda found: len(found) == 3, LIVE_WAIT)
+        # Over the run so far, not now: a drift measurement needs every worker's figures
+        # through the run's store, whose TCP to worker 1 crosses the 40% link and may stall for
+        # the rest of the run (in CI, from step 14 on), so worker 2's process restarted at step
+        # 110 may measure none; what it measured before its kill counts.
+        drift = wait_for("a drift measurement on every worker", lambda: promql(
+            "max by (rank) (max_over_time(testbed_parameter_drift_ratio[10m]))"),
+            lambda found: len(found) == 3, LIVE_WAIT)
         assert all(0.0 <= value < 1.0 for value in drift.values()), drift
         assert max(drift.values()) > 0.0, "a lossy all-reduce at 40% loss left no drift"
 
