@@ -12,12 +12,17 @@ demo: bootstrap
 measure: bootstrap
 	$(VENV)/bin/testbed demo
 
+# Every tier runs even when one before it failed (a failure in the host tier hid the other two's
+# results); the command fails if any did, naming them.
 test: bootstrap
 	$(VENV)/bin/ruff check netem testbed tests benchmarks examples scripts
 	$(VENV)/bin/lint-imports
-	$(VENV)/bin/python -m pytest -m "not netem_kernel and not compose and not gpu" tests
-	$(VENV)/bin/python -m pytest -m compose tests
-	$(VENV)/bin/testbed sandbox pytest -m netem_kernel tests
+	@failed=""; \
+	$(VENV)/bin/python -m pytest -m "not netem_kernel and not compose and not gpu" tests \
+		|| failed="$$failed host"; \
+	$(VENV)/bin/python -m pytest -m compose tests || failed="$$failed compose"; \
+	$(VENV)/bin/testbed sandbox pytest -m netem_kernel tests || failed="$$failed guest"; \
+	if [ -n "$$failed" ]; then echo "make test: tiers that failed:$$failed"; exit 1; fi
 
 # Every tier several times while a busy loop keeps one core busy; prints failures per test.
 # SOAK="--tiers host --runs 2" narrows it (scripts/soak.py --help).
