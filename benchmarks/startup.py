@@ -102,17 +102,25 @@ print("IMPORTS " + json.dumps(took))
 """
 
 
+def in_guest(code: str, *args: str, marker: str, what: str, timeout: float) -> list[str]:
+    """Run `python -c CODE ARGS` in a fresh guest (4 GiB, as `testbed run` gives one); the
+    words after `marker` on each line of its output that starts with it."""
+    result = subprocess.run(
+        [sys.executable, "-m", "testbed.cli", "sandbox", "run", "--mem", "4G", "--",
+         sys.executable, "-c", code, *args],
+        capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    found = [line.removeprefix(marker).strip() for line in result.stdout.splitlines()
+             if line.startswith(marker)]
+    if result.returncode != 0 or not found:
+        raise SystemExit(f"{what} in the guest failed (exit {result.returncode}):\n"
+                         f"{result.stdout[-2000:]}{result.stderr[-2000:]}")
+    return found
+
+
 def guest_imports() -> dict[str, float]:
     """Seconds each of the zygote's imports takes in a fresh guest, in the zygote's order."""
-    result = subprocess.run(
-        [sys.executable, "-m", "testbed.cli", "sandbox", "run", "--", sys.executable, "-c",
-         IMPORTS], capture_output=True, text=True, timeout=600, cwd=REPO)
-    line = next((line for line in result.stdout.splitlines() if line.startswith("IMPORTS ")),
-                None)
-    if result.returncode != 0 or line is None:
-        raise SystemExit(f"the imports in the guest failed (exit {result.returncode}):\n"
-                         f"{result.stdout[-2000:]}{result.stderr[-2000:]}")
-    return json.loads(line.removeprefix("IMPORTS "))
+    [line] = in_guest(IMPORTS, marker="IMPORTS ", what="the zygote's imports", timeout=600)
+    return json.loads(line)
 
 
 TWO_RUNS = """
@@ -128,14 +136,12 @@ for out in sys.argv[2:]:
 def runs_in_one_guest_process(scenario: Path, outs: list[Path]) -> list[Timing]:
     """`outs` runs of `scenario` one after the other in one process in a guest: the first
     starts a zygote (*cold*), the others take it (*warm*)."""
-    result = subprocess.run(
-        [sys.executable, "-m", "testbed.cli", "sandbox", "run", "--mem", "4G", "--",
-         sys.executable, "-c", TWO_RUNS, str(scenario), *map(str, outs)],
-        capture_output=True, text=True, timeout=1800, cwd=REPO)
-    done = [line.split()[1:] for line in result.stdout.splitlines() if line.startswith("RUN ")]
-    if result.returncode != 0 or len(done) != len(outs):
-        raise SystemExit(f"the runs in one guest process failed (exit {result.returncode}):\n"
-                         f"{result.stdout[-2000:]}{result.stderr[-2000:]}")
+    done = [line.split() for line in in_guest(
+        TWO_RUNS, str(scenario), *map(str, outs), marker="RUN ",
+        what="the runs in one process", timeout=1800)]
+    if len(done) != len(outs):
+        raise SystemExit(f"the runs in one process in the guest: {len(done)} of {len(outs)} "
+                         "ended")
     return [read_timing(Path(out), "guest, cold" if index == 0 else "guest, warm",
                         float(wall), success == "1")
             for index, (out, wall, success) in enumerate(done)]

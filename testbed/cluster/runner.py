@@ -178,7 +178,7 @@ class ClusterRun:
                 # On the bridge, never shaped; served until the workers are gone.
                 store = self._zygote.serve_store(network.control_address, PORTS["drift"],
                                                  network.lab.switch, zygote_log)
-                stack.callback(self._zygote.stop_store, store)
+                stack.callback(_stop, [store])
                 if self.scenario.capture_pairs():
                     self.capture = RunCapture(self.scenario, self.run_dir, writer.started)
                     stack.callback(self.capture.close, network)  # once the workers are gone
@@ -506,16 +506,7 @@ class ClusterRun:
         """SIGTERM to every worker still running, SIGKILL to what is left after the grace."""
         with self._lock:
             processes = list(self._processes.values())
-        for process in processes:
-            if process.poll() is None:
-                _signal_group(process, signal.SIGTERM)
-        deadline = time.monotonic() + STOP_GRACE
-        for process in processes:
-            try:
-                process.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                _signal_group(process, signal.SIGKILL)
-                process.wait()
+        _stop(processes)
         self._reap()
 
 
@@ -560,6 +551,20 @@ def _interrupts_at_safe_points() -> Iterator[_Interrupt]:
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+
+
+def _stop(processes: Sequence[ForkedWorker]) -> None:
+    """SIGTERM to each process still running, SIGKILL to what is left after the grace."""
+    for process in processes:
+        if process.poll() is None:
+            _signal_group(process, signal.SIGTERM)
+    deadline = time.monotonic() + STOP_GRACE
+    for process in processes:
+        try:
+            process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            _signal_group(process, signal.SIGKILL)
+            process.wait()
 
 
 def _signal_group(process: ForkedWorker, signum: int) -> None:

@@ -157,16 +157,6 @@ class Zygote:
         with self._lock:
             return all(child.returncode is not None for child in self._workers.values())
 
-    def stop_store(self, store: ForkedWorker, grace: float = 10.0) -> None:
-        """End the run's store (SIGTERM, then SIGKILL after `grace` seconds)."""
-        for signum in (signal.SIGTERM, signal.SIGKILL):
-            if store.pid <= 0 or store.returncode is not None:
-                return
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(store.pid, signum)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                store.wait(grace)
-
     def spawn(self, rank: int, spec: str, netns: str, log: str) -> ForkedWorker:
         """Fork worker `rank` running `spec` in namespace `netns`, stderr appended to `log`;
         returns once it is forked (the zygote's imports come first, once)."""
@@ -174,7 +164,7 @@ class Zygote:
 
     def serve_store(self, host: str, port: int, netns: str, log: str) -> ForkedWorker:
         """Fork the child that serves the run's store on `host`:`port` in namespace `netns`
-        until `stop_store` (or this zygote's end); its stderr appended to `log`. Clients that
+        until the run stops it (or this zygote's end); its stderr appended to `log`. Clients that
         connect before it listens retry until it does."""
         return self._fork(STORE, {"store": [host, port], "netns": netns, "log": log})
 
