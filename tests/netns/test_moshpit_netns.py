@@ -34,13 +34,13 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def start_peer(lab: Lab, rank: int, out: Path, *, world: int = WORLD, group_size: int = 2,
                timeout: float = TIMEOUT, numel: int = NUMEL,
-               interval: float = 0.1) -> subprocess.Popen[str]:
+               interval: float = 0.1, heartbeat: float = 0.1) -> subprocess.Popen[str]:
     host = lab.hosts[rank]
     argv = [
         sys.executable, "-m", "testbed.cli", "moshpit-peer", "--rank", str(rank),
         "--world", str(world), "--store", f"{lab.hosts[0].address}:{STORE_PORT}",
         "--listen", host.address, "--group-size", str(group_size), "--timeout", str(timeout),
-        "--heartbeat", "0.1", "--steps", str(STEPS), "--numel", str(numel),
+        "--heartbeat", str(heartbeat), "--steps", str(STEPS), "--numel", str(numel),
         "--interval", str(interval), *(["--serve-store"] if rank == 0 else []),
     ]
     with (out / f"{rank}.jsonl").open("w") as stdout, (out / f"{rank}.err").open("w") as stderr:
@@ -113,19 +113,24 @@ def test_peers_in_namespaces_reach_the_mean_and_survive_a_kill(make_lab, tmp_pat
 
 def test_calls_keep_their_deadline_when_two_of_eight_peers_die_mid_call(make_lab, tmp_path):
     """Eight peers on a 4x2 grid, every link 100 Mbit/s, 1M values, calls back to back (about
-    0.8 s each, the bandwidth bound): once the victims are past step 2, rank 5 is killed
-    (SIGKILL: its connections close) and rank 2 hangs (SIGSTOP: its connections stay open,
-    nothing more is read, its heartbeat stops), each in the middle of a call. Every call of
-    every survivor ends within the deadline (`timeout`, 3 s) plus MARGIN, all finish every
-    step, and the last one, once both are out of the membership, is exactly the mean without
-    them. (Before the call had one deadline, a phase waited `timeout` each, so a call could
-    take several times it.)"""
-    world, group_size, timeout, numel = 8, 4, 3.0, 1_000_000
+    1 s each here: eight processes moving 4 MB each on two cores): once the victims are past
+    step 2, rank 5 is killed (SIGKILL: its connections close) and rank 2 hangs (SIGSTOP: its
+    connections stay open, nothing more is read, its heartbeat stops), each in the middle of a
+    call. Every call of every survivor ends within the deadline (`timeout`) plus MARGIN, all
+    finish every step, and the last one, once both are out of the membership, is exactly the
+    mean without them. (Before the call had one deadline, a phase waited `timeout` each, so a
+    call could take several times it.)
+
+    The deadline is 8 s: a phase may take an eighth of it (a round's window is a quarter, see
+    Schedule), 1 s, five times what it takes here. With 3 s (0.37 s a phase) a fresh CI machine
+    ran a call at 2.6 s and left a peer slow by that much out of step 1's exact mean. The
+    heartbeat is 0.25 s (expiry 1 s) so that a peer descheduled for half a second stays in."""
+    world, group_size, timeout, numel = 8, 4, 8.0, 1_000_000
     lab = make_lab(world)
     shape_every_link(lab, LinkProfile.parse(rate="100mbit"), backend="fallback")
     killed, hung = 5, 2
     peers = {rank: start_peer(lab, rank, tmp_path, world=world, group_size=group_size,
-                              timeout=timeout, numel=numel, interval=0.0)
+                              timeout=timeout, numel=numel, interval=0.0, heartbeat=0.25)
              for rank in range(world)}
 
     def stepped() -> bool:
