@@ -382,8 +382,8 @@ def parameter_dumps(run_dir: str | Path) -> dict[tuple[int, int], np.ndarray]:
 def describe_runs(root: str | Path, log_lines: int = 12) -> str:
     """Every run directory under `root` (found by its `logs/` or its events), for a failed
     test's report: its summary's verdict and error, each worker's steps over time
-    (`describe_steps`: who fell behind), and the last `log_lines` lines of each log and of each
-    command job's stderr."""
+    (`describe_steps`: who fell behind), and the last `log_lines` lines (none: 0) of each log
+    and of each command job's stderr."""
     parts = []
     runs = {path.parent for path in Path(root).rglob("logs") if path.is_dir()}
     runs |= {path.parent for path in Path(root).rglob(EVENTS)}
@@ -399,7 +399,7 @@ def describe_runs(root: str | Path, log_lines: int = 12) -> str:
             parts.append(f"{run}: no {SUMMARY}")
         parts.extend(describe_steps(run))
         logs = run / "logs"
-        for log in sorted([*logs.glob("*.log"), *logs.glob("*.stderr")]):
+        for log in sorted([*logs.glob("*.log"), *logs.glob("*.stderr")]) if log_lines else []:
             lines = log.read_text(errors="replace").splitlines()[-log_lines:]
             parts.append(f"--- {log.name} (last {len(lines)} lines)")
             parts.extend(lines)

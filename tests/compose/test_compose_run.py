@@ -23,7 +23,7 @@ from typer.testing import CliRunner
 
 from testbed.cli import app
 from testbed.compose import PROMETHEUS_PORT, write_project
-from testbed.report import load_run
+from testbed.report import describe_runs, load_run
 
 pytestmark = pytest.mark.compose
 
@@ -90,9 +90,13 @@ def _ended(states: dict[str, tuple[str, str]]) -> bool:
 
 def _diagnose(project: Path) -> str:
     """What a failed run looked like, before `down` removes it: each container's state, the
-    tail of every service's log, and Prometheus's view of its targets."""
+    tail of every service's log, each worker's steps over time from the run's directory (who
+    fell behind, and when), and Prometheus's view of its targets."""
     parts = [_compose(project, "ps", "-a", check=False).stdout,
              _compose(project, "logs", "--tail", "30", "--no-color", check=False).stdout]
+    runs = project.parent / "runs"
+    if runs.is_dir():
+        parts.append(describe_runs(runs, log_lines=0))
     try:
         url = f"http://127.0.0.1:{PROMETHEUS_PORT}/api/v1/targets"
         with urllib.request.urlopen(url, timeout=5) as response:
