@@ -196,6 +196,11 @@ class MoshpitOptions(CollectiveOptions):
 # update its own optimizer makes of its local gradient there.
 Missed = Literal["keep", "last_update", "local"]
 MISSED: tuple[str, ...] = get_args(Missed)
+# Which peers an owner's broadcast carries parity to: those that lost some of it lately, or all.
+ParityWhen = Literal["loss", "always"]
+PARITY_WHEN: tuple[str, ...] = get_args(ParityWhen)
+# "Lately": within this many calls after the peer last said it lost some.
+PARITY_MEMORY = 16
 
 
 def _expecting(expected: str) -> WrapValidator:
@@ -240,7 +245,12 @@ class LossyOptions(CollectiveOptions):
     parity: Annotated[Integer, _expecting("0 (none) or the chunks per parity chunk")] = Field(
         default=4, ge=0, description="Broadcast chunks per XOR parity chunk, from which a "
         "receiver rebuilds one lost chunk of each group (0: no parity; 1: every chunk twice). "
-        "Costs 1/parity more broadcast bytes.")
+        "Costs 1/parity more broadcast bytes to each peer it goes to (parity_when).")
+    parity_when: Annotated[ParityWhen, _expecting(f"one of {', '.join(PARITY_WHEN)}")] = Field(
+        default="loss", description="Which peers an owner's broadcast carries parity to: loss "
+        f"(those that said, in their resend asks, that they lost some of it within the last "
+        f"{PARITY_MEMORY} calls: clean links carry none) or always (every peer; also what "
+        "loss does without resend).")
     missed: Annotated[Missed, _expecting(f"one of {', '.join(MISSED)}")] = Field(
         default="keep", description="What a worker's copy holds where it missed a chunk of an "
         "owner's parameter broadcast (strategy sharded): keep (its stale value), last_update "

@@ -98,7 +98,7 @@ class _Ignored:
     """A sink that drops what it is given: a gather that forgets a peer it heard from."""
 
     def __init__(self, sink) -> None:
-        self.codec, self.numel = sink.codec, sink.numel
+        self.codec, self.numel, self.short_count = sink.codec, sink.numel, sink.short_count
 
     def land(self, index, payload) -> None:
         pass

@@ -15,6 +15,7 @@ from testbed.collectives import create
 from testbed.collectives.base import Collective
 from testbed.collectives.lab import run_concurrently
 from testbed.collectives.lossy import Lossy, SeededLoss
+from testbed.collectives.registry import PARITY_MEMORY
 from testbed.transport.tcp import Listener
 from testbed.transport.tensors import codec_of
 from testbed.transport.udp import DatagramEndpoint, chunk_count
@@ -441,7 +442,7 @@ def broadcast_came(loss: SeededLoss, step: int, owner: int, receiver: int, size:
 def test_parity_rebuilds_a_chunk_lost_alone_in_its_group_bit_for_bit(group):
     world, numel = 3, 60_000
     loss = SeededLoss(0.3, seed=5, kinds=frozenset({Kind.PARAMETER}))
-    group_ = lossy_group(world, test_loss=loss, parity=group)
+    group_ = lossy_group(world, test_loss=loss, parity=group, parity_when="always")
     try:
         start = torch.randn(numel, generator=torch.Generator().manual_seed(99))
         gradients = seeded(world, numel)
@@ -460,6 +461,40 @@ def test_parity_rebuilds_a_chunk_lost_alone_in_its_group_bit_for_bit(group):
         assert rebuilt > 0, "30% loss, yet no chunk was rebuilt"
     finally:
         close_all(group_)
+
+
+@pytest.mark.parametrize("parity_when", ["loss", "always"])
+def test_parity_goes_to_the_peers_that_lose_some_of_the_broadcast(parity_when):
+    """Only worker 2 loses broadcast datagrams (30%, seeded). With parity_when "loss", owners
+    0 and 1 send parity to worker 2 alone from the second call on (it says it lost some, every
+    call) and worker 2 to nobody: its peers lose nothing, and its short form ends their wait at
+    its data (a wait for the parity would last the 5 s deadline). Worker 2 stops losing after
+    call 3: parity to it goes on for PARITY_MEMORY calls, then stops. With "always", every
+    peer gets parity every call. Either way the resend makes every result the exact mean."""
+    world, numel, lossy_calls = 3, 30_000, 3
+    calls = lossy_calls + PARITY_MEMORY + 2
+    group = lossy_group(world, parity=4, resend=True, parity_when=parity_when)
+    group[2].test_loss = SeededLoss(0.3, seed=9, kinds=frozenset({Kind.PARAMETER}))
+    try:
+        for step in range(calls):
+            inputs = seeded(world, numel, offset=10 * step)
+            results = run_concurrently(*(
+                lambda r=r, x=inputs, s=step: group[r].allreduce(x[r], step=s)
+                for r in range(world)))
+            expected = torch.stack(inputs).mean(0)
+            for result, _ in results:
+                torch.testing.assert_close(result, expected, rtol=1e-5, atol=1e-6)
+            if step == lossy_calls - 1:
+                group[2].test_loss = None
+            given = [stats.extra["parity_peers"] for _, stats in results]
+            if parity_when == "always":
+                assert given == [2, 2, 2], (step, given)
+                continue
+            to_2 = 1 <= step < lossy_calls + PARITY_MEMORY
+            assert given == [int(to_2), int(to_2), 0], (step, given)
+            assert all(stats.extra["broadcast_seconds"] < 5.0 for _, stats in results[:2])
+    finally:
+        close_all(group)
 
 
 def test_a_missed_chunk_takes_the_last_update_received_there():

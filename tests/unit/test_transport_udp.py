@@ -353,6 +353,26 @@ def test_chunks_land_in_their_tensor_as_they_come_and_misfits_are_left_out(pair)
     assert result["collected"].arrived[0].tolist() == [True, True, False]
 
 
+def test_a_sinks_short_form_lands_and_ends_the_senders_debt_at_its_length(pair):
+    """A landing of five chunks whose last two are optional (`short_count` 3: a broadcast's
+    parity, sent only to peers that lose some): a stream of three whole chunks lands and owes
+    nothing more, so the collect ends with it, not at its deadline (WAIT: a broken debt would
+    hold it there); a stream of another length lands nowhere."""
+    sender, receiver = pair
+    n = receiver.chunk_numel()
+    data, optional = torch.zeros(3 * n), torch.zeros(2 * n)
+    sent = torch.randn(3 * n, generator=torch.Generator().manual_seed(5))
+    receiver.open(Kind.PARAMETER, 0, 0, {0: 5},
+                  into={0: Landing([data, optional], n, short_count=3)})
+    sender.send_tensor(1, Kind.PARAMETER, 0, 0, torch.ones(4 * n))  # neither form
+    sender.send_tensor(1, Kind.PARAMETER, 0, 0, sent)
+    began = time.monotonic()
+    got = receiver.collect(Kind.PARAMETER, 0, 0, None, began + WAIT)
+    assert time.monotonic() - began < WAIT / 2
+    assert got.arrived[0].tolist() == [True, True, True, False, False]
+    assert torch.equal(data, sent) and not optional.any()
+
+
 def test_chunks_after_the_step_closed_are_late(pair):
     sender, receiver = pair
     early = receiver.collect(Kind.GRADIENT, 0, 0, {0: 1}, time.monotonic())  # gives up

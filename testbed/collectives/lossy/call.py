@@ -92,14 +92,21 @@ class Call:
         self.gather_keep = lossy._open(Kind.GRADIENT, step, bucket, {
             peer: Accumulating(self.accumulator, codec) for peer in lossy.peers})
         self.group = 0 if self.reliable else lossy.options.parity
-        # Per other owner, where its broadcast lands: its shard of the result and its counts,
-        # then with parity the padding to a whole chunk and the parity chunks.
+        # Per other owner: its broadcast's data chunks (its shard and counts), and where the
+        # broadcast lands: the shard of the result and the counts, then with parity the
+        # padding to a whole chunk and the parity chunks, which an owner sends only to peers
+        # that saw loss lately (`Lossy.parity_peers`): the short form ends at the data.
+        self.data_chunks = {owner: chunk_count(sizes[owner] + self.counts[owner].numel(), numel)
+                            for owner in lossy.peers}
         self.parities = {owner: _parity_landing(
             sizes[owner] + self.counts[owner].numel(), numel, self.group, result.dtype)
             for owner in lossy.peers}
-        self.landings = {owner: Landing([result[starts[owner]:starts[owner + 1]],
-                                         self.counts[owner], *self.parities[owner]], numel)
-                         for owner in lossy.peers}
+        self.landings = {owner: Landing(
+            [result[starts[owner]:starts[owner + 1]], self.counts[owner],
+             *self.parities[owner]], numel,
+            short_count=self.data_chunks[owner] if self.group else None)
+            for owner in lossy.peers}
+        self.parity_peers: frozenset[int] = frozenset()  # whom this owner's broadcast gives it
         self.broadcast_keep = {} if self.reliable else lossy._open(
             Kind.PARAMETER, step, bucket, self.landings)
         self.clock.lap("prepare")
@@ -144,10 +151,16 @@ class Call:
         self.broadcast_transfer = 0.0 if self.reliable else learned.seconds
         if self.reliable:
             return
-        self.message = (self.own, self.own_counts, *_parity_message(
-            self.own, self.own_counts, self.broadcast_numel, self.group))
-        self.lossy.endpoint.send_tensors(Kind.PARAMETER, self.step, self.bucket,
-                                         dict.fromkeys(self.lossy.peers, self.message))
+        self.message = full = (self.own, self.own_counts)
+        if self.group:
+            pad, rows = _parity_message(self.own, self.own_counts, self.broadcast_numel,
+                                        self.group)
+            self.message = (self.own, self.own_counts, pad)
+            self.parity_peers = self.lossy.parity_peers()
+            full = (*self.message, rows)
+        self.lossy.endpoint.send_tensors(Kind.PARAMETER, self.step, self.bucket, {
+            peer: full if peer in self.parity_peers else self.message
+            for peer in self.lossy.peers})
         self.clock.lap("broadcast_send")
 
     def broadcast_wait(self) -> None:
@@ -167,9 +180,10 @@ class Call:
         """The broadcast chunks that did not come: rebuilt from their parity group where they
         are its only one lost (`rebuilt`), then asked for once and sent again (`resent`)."""
         self.rebuilt = self.resent = 0
-        numel, peers = self.broadcast_numel, self.lossy.peers
-        data_chunks = {owner: chunk_count(self.sizes[owner] + self.counts[owner].numel(), numel)
-                       for owner in peers}
+        numel, data_chunks = self.broadcast_numel, self.data_chunks
+        # whether each owner's broadcast lost data chunks on the way (parity's cue)
+        self.lost_from = {owner: not arrived[:data_chunks[owner]].all()
+                          for owner, arrived in self.broadcast_arrived.items()}
         if self.group:
             for owner, (_, parity_rows) in self.parities.items():
                 self.rebuilt += len(parity.repair(
@@ -215,15 +229,17 @@ class Call:
 
     def _resend(self, data_chunks: dict[int, int], mine: int) -> int:
         """Ask every owner once for the data chunks of its broadcast that this worker lacks (a
-        CONTROL message: a bitmap of them, sent even when empty, so no owner waits for it),
-        send every peer again what it asked of this worker's broadcast (`message`, of `mine`
-        data chunks) as REPAIR datagrams, and land what comes back into `landings`, within the
-        repair deadline (learned like the others). `broadcast_arrived` gets the chunks that
-        came so; returns how many."""
+        CONTROL message: a bitmap of them and a byte saying whether any was lost on the way,
+        parity or not, sent even when empty, so no owner waits for it), send every peer again
+        what it asked of this worker's broadcast (`message`, of `mine` data chunks) as REPAIR
+        datagrams, and land what comes back into `landings`, within the repair deadline
+        (learned like the others). `broadcast_arrived` gets the chunks that came so; returns
+        how many. The peers that said they lost some, or whose ask did not come, get parity
+        in the next calls (`Lossy.loss_seen`)."""
         lossy, endpoint, waiting = self.lossy, self.lossy.endpoint, self.lossy.waiting
         step, bucket, arrived = self.step, self.bucket, self.broadcast_arrived
         started = time.monotonic()
-        asks = {peer: torch.zeros(-(-mine // 8), dtype=torch.uint8) for peer in lossy.peers}
+        asks = {peer: torch.zeros(-(-mine // 8) + 1, dtype=torch.uint8) for peer in lossy.peers}
         ask_keep = lossy._open(Kind.CONTROL, step, bucket, asks)
         lacking = [owner for owner in lossy.peers
                    if not arrived[owner][:data_chunks[owner]].all()]
@@ -235,13 +251,16 @@ class Call:
                                   present=present)
         try:
             endpoint.send_tensors(Kind.CONTROL, step, bucket, {
-                owner: np.packbits(~arrived[owner][:data_chunks[owner]])
+                owner: np.append(np.packbits(~arrived[owner][:data_chunks[owner]]),
+                                 np.uint8(self.lost_from[owner]))
                 for owner in lossy.peers})
             deadline = waiting.repair_deadline.seconds
             asked = waiting.collect(Kind.CONTROL, step, bucket, ask_keep, started, deadline,
                                     waiting.repair_deadline, patience=deadline)
-            wanted = {peer: np.flatnonzero(np.unpackbits(asks[peer].numpy())[:mine])
+            wanted = {peer: np.flatnonzero(np.unpackbits(asks[peer].numpy()[:-1])[:mine])
                       for peer in lossy.peers if asked[peer].all()}
+            lossy.loss_seen([peer for peer in lossy.peers
+                             if peer not in wanted or asks[peer][-1].item()])
             endpoint.send_tensors(Kind.REPAIR, step, bucket,
                                   dict.fromkeys(wanted, self.message), only=wanted)
             endpoint.announce(Kind.REPAIR, step, bucket, lossy.peers)  # all sent

@@ -15,7 +15,7 @@ from testbed.collectives.lossy.call import Call
 from testbed.collectives.lossy.sinks import SeededLoss, open_key
 from testbed.collectives.lossy.stats import LossyStats
 from testbed.collectives.lossy.waiting import Waiting
-from testbed.collectives.registry import LossyOptions, Missed
+from testbed.collectives.registry import PARITY_MEMORY, LossyOptions, Missed, ParityWhen
 from testbed.transport.staging import Staged
 from testbed.transport.tcp import Listener, StreamMesh
 from testbed.transport.udp import DatagramEndpoint, Sink
@@ -45,6 +45,7 @@ class Lossy(CollectiveBase):
         settle: float | str | None = "auto",
         resync_every: int = 0,
         parity: int = 4,
+        parity_when: ParityWhen = "loss",
         missed: Missed = "keep",
         resend: bool = True,
         ecn: bool = False,
@@ -59,27 +60,29 @@ class Lossy(CollectiveBase):
         key: bytes | None = None,
     ) -> None:
         """`mtu` sizes the datagrams and `rate` (bits/s) paces them (None: unpaced). The
-        `deadline_*` bound and seed the transfer deadline (seconds from a peer's first chunk of
-        a phase); `straggler_timeout` is how long a peer's first chunk is waited for. With
-        `settle` (seconds) ends a phase once every sender's stream has ended and nothing came
-        for that long (the rest was lost; None waits to the deadline; "auto" learns it between
-        1 and 10 ms from what came late). With `parity` G > 0 every broadcast carries an XOR
-        parity chunk per G chunks, from which a receiver rebuilds a chunk that is the only one
-        of its group lost. `missed` says what a copy holds where a parameter broadcast chunk
-        was missed (`step`; MISSED): its stale value, or that plus the last update it received
-        there, or plus its own optimizer's update of its local gradient. With `resend`, a
-        worker asks each owner once for the broadcast chunks it lacks, and gets them again
-        within the call. With `ecn` the datagrams are ECN-capable: a link with netem's `ecn`
-        marks them CE instead of dropping them (counted as `datagrams_ce_marked`). The
-        defaults (settle auto, parity 4, resend) are the ones that kept training within the
-        accuracy targets under 10-30% loss (docs/training.md). The
-        workers meet over TCP at `stream_addresses` (default: `addresses`; TCP ports are apart
-        from UDP's), with `congestion` control and `timeout` per message, before the first
-        datagram, waiting up to `rendezvous_timeout` for all of them (ranks may arrive minutes
-        apart: a DDP script broadcasts its model first); with `resync_every` N > 0, every
-        step whose number + 1 is a multiple of N broadcasts there. These options are checked
-        by `registry.LossyOptions`, as a scenario's are: what a scenario may not set, neither
-        may a caller here.
+        `deadline_*` bound and seed the transfer deadline (seconds from a peer's first chunk of a
+        phase); `straggler_timeout` is how long a peer's first chunk is waited for. With `settle`
+        (seconds) ends a phase once every sender's stream has ended and nothing came for that long
+        (the rest was lost; None waits to the deadline; "auto" learns it between 1 and 10 ms from
+        what came late). With `parity` G > 0 every broadcast carries an XOR parity chunk per G
+        chunks, from which a receiver rebuilds a chunk that is the only one of its group lost: with
+        `parity_when` "loss" only to the peers that said (in their resend asks) that they lost some
+        of this owner's broadcast within the last PARITY_MEMORY calls, so clean links carry none;
+        "always" (and without `resend`, which the word comes with) to every peer. `missed` says what
+        a copy holds where a parameter broadcast chunk was missed (`step`; MISSED): its stale value,
+        or that plus the last update it received there, or plus its own optimizer's update of its
+        local gradient. With `resend`, a worker asks each owner once for the broadcast chunks it
+        lacks, and gets them again within the call. With `ecn` the datagrams are ECN-capable: a link
+        with netem's `ecn` marks them CE instead of dropping them (counted as
+        `datagrams_ce_marked`). The defaults (settle auto, parity 4 when loss is seen, resend) are
+        the ones that kept training within the accuracy targets under 10-30% loss
+        (docs/training.md). The workers meet over TCP at `stream_addresses` (default: `addresses`;
+        TCP ports are apart from UDP's), with `congestion` control and `timeout` per message, before
+        the first datagram, waiting up to `rendezvous_timeout` for all of them (ranks may arrive
+        minutes apart: a DDP script broadcasts its model first); with `resync_every` N > 0, every
+        step whose number + 1 is a multiple of N broadcasts there. These options are checked by
+        `registry.LossyOptions`, as a scenario's are: what a scenario may not set, neither may a
+        caller here.
         `endpoint` and `listener`, if given, are this rank's already bound sockets (then they
         are at `addresses[rank]` and `stream_addresses[rank]`) and are closed with this object.
         `test_loss` is for tests. A worker `rejoining` a running group (restarted after a
@@ -97,8 +100,8 @@ class Lossy(CollectiveBase):
             rate=rate, rcvbuf=rcvbuf, deadline_initial=deadline_initial,
             deadline_floor=deadline_floor, deadline_ceiling=deadline_ceiling,
             straggler_timeout=straggler_timeout, settle=settle, resync_every=resync_every,
-            parity=parity, missed=missed, resend=resend, ecn=ecn, timeout=timeout,
-            rendezvous_timeout=rendezvous_timeout)
+            parity=parity, parity_when=parity_when, missed=missed, resend=resend, ecn=ecn,
+            timeout=timeout, rendezvous_timeout=rendezvous_timeout)
         if rejoining and (problem := options.rejoin_problem("none")):
             raise ValueError(f"resync_every: {problem}")
         self.rank, self.world, self.timeout = rank, world, options.timeout
@@ -110,6 +113,9 @@ class Lossy(CollectiveBase):
         # element of its shard, and per chunk the steps missed since then.
         self.last_updates: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._step, self._in_step = -1, 0  # calls within one step are numbered (the bucket)
+        self._calls = 0
+        # per peer, the last call whose broadcast carries it parity (`loss_seen` moves it on)
+        self._parity_until = dict.fromkeys(self.peers, 0)
         self._mesh: StreamMesh | None = None  # set below; None only if building it failed
         self._listener = listener
         self._sender: ThreadPoolExecutor | None = None  # a resync's sends, beside its receives
@@ -161,6 +167,18 @@ class Lossy(CollectiveBase):
         result, stats = self._exchange(Staged(gradient).host, staged.host, step, update)
         return staged.back(result), stats
 
+    def parity_peers(self) -> frozenset[int]:
+        """The peers this call's broadcast carries parity to (`parity_when`)."""
+        if self.options.parity_when == "always" or not self.options.resend:
+            return frozenset(self.peers)
+        return frozenset(peer for peer in self.peers if self._parity_until[peer] >= self._calls)
+
+    def loss_seen(self, peers: Sequence[int]) -> None:
+        """These peers lost some of this owner's broadcast in this call (or their word of it
+        was lost): they get parity in the next PARITY_MEMORY calls."""
+        for peer in peers:
+            self._parity_until[peer] = self._calls + PARITY_MEMORY
+
     @property
     def mesh(self) -> StreamMesh | None:
         """The TCP streams to the peers (their counters reach the worker's metrics)."""
@@ -186,6 +204,7 @@ class Lossy(CollectiveBase):
             self._step, self._in_step = step, 0
         bucket = self._in_step % BUCKETS  # by step, not by call: a rejoining worker agrees
         self._in_step += 1
+        self._calls += 1
         return Call(self, contribution, fallback, step, bucket, update).run()
 
     def _open(self, kind: Kind, step: int, bucket: int, sinks: Mapping[int, Sink | torch.Tensor],

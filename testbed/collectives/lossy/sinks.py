@@ -66,6 +66,7 @@ class Accumulating:
     def __init__(self, accumulator: ChunkAccumulator, codec: Codec) -> None:
         self.accumulator, self.codec = accumulator, codec
         self.numel = accumulator.numel
+        self.short_count = None
 
     def land(self, index: np.ndarray, payload: np.ndarray) -> None:
         self.accumulator.add_chunks(index, values_of(payload, self.codec))
@@ -77,7 +78,7 @@ class _Kept:
 
     def __init__(self, sink: Sink, keep: np.ndarray) -> None:
         self.sink, self.keep = sink, keep
-        self.codec, self.numel = sink.codec, sink.numel
+        self.codec, self.numel, self.short_count = sink.codec, sink.numel, sink.short_count
 
     def land(self, index: np.ndarray, payload: np.ndarray) -> None:
         kept = self.keep[index]

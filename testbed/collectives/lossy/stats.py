@@ -138,6 +138,7 @@ def summarize(call: Call) -> LossyStats:
             "resync": float(call.reliable),
             "peers_absent": float(lossy.waiting.absent),
             "chunks_rebuilt": float(call.rebuilt),
+            "parity_peers": float(len(call.parity_peers)),
             "chunks_resent": float(call.resent),
         },
         chunk_coverage=own_coverage, gathered=call.gather_arrived,

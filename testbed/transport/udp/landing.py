@@ -37,10 +37,13 @@ class Chunk:
 class Sink(Protocol):
     """Where one sender's chunks of an opened key are written as they are read. The endpoint
     hands it only chunks of a `numel`-element tensor of `codec` that are new: the right count,
-    each chunk's length right, the first copy of each."""
+    each chunk's length right, the first copy of each. With `short_count`, a sender may also
+    send only the first `short_count` chunks (each whole): the rest of the layout is optional
+    (a broadcast's parity chunks), and once its datagrams say so it is owed no more."""
 
     codec: Codec
     numel: int
+    short_count: int | None
 
     def land(self, index: np.ndarray, payload: np.ndarray) -> None:
         """Chunks `index` (distinct); row i of `payload` ((k, chunk_numel), the elements as
@@ -52,12 +55,14 @@ class Landing:
     """A `Sink` that copies chunks into tensors: chunk i at element i * chunk_numel of the
     concatenation of `parts` (flat, contiguous, one dtype). With two parts (a shard of the
     result and a small side buffer), a message sent from two tensors lands without a joined
-    copy on either side."""
+    copy on either side. `short_count`: see `Sink`."""
 
-    def __init__(self, parts: Sequence[torch.Tensor], chunk_numel: int) -> None:
+    def __init__(self, parts: Sequence[torch.Tensor], chunk_numel: int,
+                 short_count: int | None = None) -> None:
         if len({part.dtype for part in parts}) != 1:
             raise ValueError(f"parts: need one dtype, got {[part.dtype for part in parts]}")
         self.codec = codec_of(parts[0].dtype)
+        self.short_count = short_count
         self._n = n = chunk_numel
         # Per part: its elements, where it starts, the chunks [first, end) wholly inside it as
         # rows of a grid, and the chunks it shares with a neighbour or that end it short.

@@ -91,6 +91,7 @@ class OpenKey:
         self.first: dict[int, float] = {}  # per sender, when its first chunk of the key came
         self.last: dict[int, float] = {}  # per sender, when its latest chunk of the key came
         self.ended: set[int] = set()  # senders whose stream reached its tail
+        self.shortened: set[int] = set()  # senders that sent their sink's short form
         # per sender without a chunk yet, when it was first seen past its part of the key:
         # it sent it, so what has not come was lost (or is still on its way)
         self.reached: dict[int, float] = {}
@@ -151,15 +152,23 @@ class OpenKey:
             self.ended.add(sender)
 
     def _land(self, sender: int, sink: Sink, batch: ReceivedBatch, n: int) -> np.ndarray:
-        """Hand the sink the new chunks that fit it; which datagrams fit."""
+        """Hand the sink the new chunks that fit it; which datagrams fit. A stream of the
+        sink's short form ends the sender's debt at its `short_count` chunks."""
         itemsize = ITEMSIZE[sink.codec]
-        count = chunk_count(sink.numel, n)
-        chunk = batch["chunk"]
+        count, short = chunk_count(sink.numel, n), sink.short_count
+        chunk, chunks = batch["chunk"], batch["chunks"]
         expected = np.where(chunk == count - 1, sink.numel - (count - 1) * n, n)
-        fit = ((batch["codec"] == sink.codec) & (batch["chunks"] == count)
+        counted = chunks == count
+        arrived = self.arrived[sender]
+        if short is not None and short < count:
+            shortened = (chunks == short) & (chunk < short)
+            if shortened.any() and sender not in self.shortened:
+                self.shortened.add(sender)
+                self.owed[sender] -= int((~arrived[short:]).sum())
+            counted |= shortened
+        fit = ((batch["codec"] == sink.codec) & counted
                & (batch["payload_len"] == expected * itemsize))
         index = chunk[fit].astype(np.int64)
-        arrived = self.arrived[sender]
         new = ~arrived[index] & first_copies(index)
         if new.any():
             rows = batch.rows[np.flatnonzero(fit)[new], HEADER_SIZE:HEADER_SIZE + n * itemsize]
