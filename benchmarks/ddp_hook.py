@@ -38,6 +38,7 @@ from typing import Any
 
 from benchmarks.report import Run, partial
 from benchmarks.scenario_runs import fmt, run_scenario, status_text
+from testbed.cluster import zygote
 from testbed.collectives.lossy import CALL_PHASES as PHASES
 
 REPO = Path(__file__).resolve().parents[1]
@@ -82,7 +83,7 @@ NETWORKS: dict[str, dict[str, Any]] = {
 }
 CLEAN = ("clean", "100mbit")  # where the lossy hook should cost at most TARGET_CLEAN x plain
 TARGET_CLEAN = 1.2
-WAYS = ("plain", "ring", "lossy", "lossy-int8")
+WAYS = ("plain", "ring", "lossy", "lossy-parity-always", "lossy-int8")
 LOCAL_WAYS = ("local", "local-thread")  # --profile's: the hook without a network
 
 
@@ -110,6 +111,8 @@ class Cell:
             collective = {"kind": "lossy", "rate": RATE if NETWORKS[self.network] else None}
             if self.way == "lossy-int8":
                 collective["compressor"] = {"kind": "int8"}
+            if self.way == "lossy-parity-always":
+                collective["parity_when"] = "always"
         topology: dict[str, Any] = {}
         if NETWORKS[self.network]:
             topology["default"] = NETWORKS[self.network]
@@ -156,6 +159,7 @@ def read_lines(path: Path) -> list[dict[str, Any]]:
 def run_cell(cell: Cell, steps: int, workdir: Path) -> Outcome:
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     ran = run_scenario(cell.scenario(steps), cell.name, workdir, cell.model.timeout)
+    zygote.close_idle()  # the run's zygote, kept for the next run, reaps its workers' CPU too
     after = resource.getrusage(resource.RUSAGE_CHILDREN)  # every process of the run, reaped
     outcome = Outcome(cell, ran.status, wall=ran.wall, note=ran.note,
                       load=os.getloadavg()[0],
@@ -344,7 +348,9 @@ def report(outcomes: list[Outcome], run: Run, steps: dict[str, int], note: str =
         "unshaped; `100mbit` is htb at 100 Mbit/s on every host's downlink, `-1%`/`-10%` add "
         "nftables random drop on every receiver (this kernel has no sch_netem). Ways: `plain`, "
         "`ring` (the ring hook over TCP), `lossy` (paced at 100 Mbit/s where the links have a "
-        "rate, unpaced on `clean`; its other options the defaults), `lossy-int8` (lossy with "
+        "rate, unpaced on `clean`; its other options the defaults: parity only to peers that "
+        "lost some of a broadcast lately), `lossy-parity-always` (lossy with parity to every "
+        "peer every call, the default before), `lossy-int8` (lossy with "
         "the INT8 compressor, whose two-step all-reduce travels on lossy's TCP mesh, not its "
         "datagrams: quantized bytes are not self-describing per datagram, so under loss it pays "
         "what TCP pays).",

@@ -61,7 +61,9 @@ def profiled(rank: int) -> Hook:
             "queued": max(0.0, ended - stats.seconds - at), "phases": stats.phases,
             "datagrams_sent": getattr(stats, "datagrams_sent", 0),
             "datagrams_received": getattr(stats, "datagrams_received", 0),
-            "bytes_sent": stats.bytes_sent}), flush=True)
+            "bytes_sent": stats.bytes_sent,
+            "parity_peers": stats.extra.get("parity_peers", 0.0),
+            "chunks_missing": stats.extra.get("chunks_missing", 0.0)}), flush=True)
 
     inner = scenario_hook(on_stats=record if rank == 0 else None)
 

@@ -23,6 +23,6 @@ def test_the_next_run_takes_the_idle_zygote_unless_the_environment_changed(tmp_p
         assert not first.alive(), "a zygote with another environment is ended, not kept"
         zygote.release(third)
     finally:
-        zygote._close_idle()
+        zygote.close_idle()
         first.close()
     assert not third.alive()
