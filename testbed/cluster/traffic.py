@@ -8,7 +8,9 @@ same queues. The servers report every `REPORT_INTERVAL` what they received; each
 to the receiver's status file (its worker's metrics, `testbed.metrics.traffic`) and to
 `on_interval` (the run's records). A client that ends before its time (its server not up
 yet, a link cut long enough for iperf3 to give up) is started again after `RETRY` seconds,
-counted in the flow's `restarts`.
+counted in the flow's `restarts`; so is one that has not said it is connected within
+`CONNECT_WAIT` (iperf3 3.12 sends a UDP test's one set-up datagram once, and waits for its
+answer forever when the link loses either).
 
 One `CrossTraffic` serves both placements: the namespace runner runs every flow's two ends
 (`here` prefixes a command with `ip netns exec`); a Compose node runs the ends of the flows
@@ -39,6 +41,10 @@ RECORD_EVERY = 1.0  # seconds of reports summed into one record of the run (`on_
 RETRY = 0.5  # seconds before a client that ended early is started again
 LISTEN_WAIT = 10.0  # seconds a server gets to say it listens
 STOP_WAIT = 5.0  # seconds a process gets to end after SIGTERM before SIGKILL
+# seconds a client gets to say it is connected (its control connection's SYN lost twice on a
+# lossy link takes 3 s) before it is ended and started again
+CONNECT_WAIT = 6.0
+CONNECTED = " connected to "  # in iperf3's "[  5] local A port P connected to B port Q"
 ORPHAN_GUARD = ["setpriv", "--pdeathsig", "TERM", "--"]
 
 
@@ -233,7 +239,8 @@ class CrossTraffic:
         with self._lock:
             log = self._logs.get(name)
             if log is None:
-                log = self._logs[name] = (self.run_dir / "logs" / f"traffic-{name}.log").open("a")
+                log = self._logs[name] = (self.run_dir / "logs" / f"traffic-{name}.log").open(
+                    "a", buffering=1)
         process = subprocess.Popen([*ORPHAN_GUARD, *self.here(rank), *argv], text=True,
                                    stdin=subprocess.DEVNULL,
                                    stdout=subprocess.PIPE if read else log, stderr=log,
@@ -298,7 +305,8 @@ class CrossTraffic:
             argv = client_argv(flow, address, state.port)
             while time.monotonic() < end:
                 state.bursts += state.bursts == 0
-                if self._run_client(state, argv, end) or time.monotonic() >= end:
+                self._run_client(state, argv, end)
+                if self._stopping.is_set() or time.monotonic() >= end:
                     return
                 state.restarts += 1  # ended before its time: again, in a moment
                 if self._stopping.wait(RETRY):
@@ -307,23 +315,37 @@ class CrossTraffic:
         burst = client_argv(flow, address, state.port, round((flow.rate or 0) * flow.on / 8))
         while time.monotonic() < end:
             state.bursts += 1
-            if self._run_client(state, burst, end) or self._stopping.wait(
+            if not self._run_client(state, burst, end) and not self._stopping.is_set():
+                state.restarts += 1  # never connected: the next burst comes as usual
+            if self._stopping.is_set() or self._stopping.wait(
                     min(flow.off, max(0.0, end - time.monotonic()))):
                 return
 
     def _run_client(self, state: FlowState, argv: list[str], end: float) -> bool:
-        """Run one client until it ends or `end` (monotonic) comes; True once `stop` was
-        called."""
-        client = self._spawn(state.flow.src, argv, state.name)
+        """Run one client until it ends or `end` (monotonic) comes, its output copied to the
+        flow's log; one that has not said it is connected within `CONNECT_WAIT` is ended.
+        Whether it connected."""
+        client = self._spawn(state.flow.src, argv, state.name, read=True)
+        assert client.stdout is not None
+        connected = threading.Event()
+        timers = [threading.Timer(CONNECT_WAIT, lambda: connected.is_set() or _end(client))]
+        if end != math.inf:
+            timers.append(threading.Timer(max(0.0, end - time.monotonic()), _end, [client]))
+        for timer in timers:
+            timer.start()
+        log = self._logs[state.name]
         try:
-            client.wait(None if end == math.inf else max(0.0, end - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass  # its time is up
+            for line in client.stdout:
+                log.write(line)
+                if CONNECTED in line:
+                    connected.set()
         finally:
+            for timer in timers:
+                timer.cancel()
             _end(client)
             with self._lock:
                 self._processes.discard(client)
-        return self._stopping.is_set()
+        return connected.is_set()
 
 
 def _end(process: subprocess.Popen[str]) -> None:

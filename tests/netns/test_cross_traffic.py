@@ -16,8 +16,10 @@ from live import ended, start_run, wait_for
 
 from netem.lab import lab_namespaces
 from testbed.cluster.runner import ClusterRun
+from testbed.cluster.traffic import CONNECT_WAIT, CrossTraffic
 from testbed.metrics.traffic import TrafficCollector, read_status, status_path
 from testbed.report import load_run
+from testbed.scenario.traffic import Flow
 
 pytestmark = pytest.mark.netns
 
@@ -141,3 +143,30 @@ def test_a_failed_run_ends_its_flows_too(tmp_path: Path):
     run = load_run(result.run_dir)
     assert "0-1-udp" in run.traffic(), "the flow never sent: the test shows nothing"
     assert iperf3_processes() == set(), "the failed run left iperf3 running"
+
+
+def test_a_client_whose_set_up_was_lost_is_ended_and_started_again(make_lab, tmp_path: Path):
+    """iperf3 3.12 sends a UDP test's one set-up datagram once and waits for its answer
+    forever (a CI run's on/off flow sent nothing for a whole run so, one datagram lost on a 3%
+    link). With every UDP datagram into the receiver dropped, the first client never says it
+    is connected: it is ended after CONNECT_WAIT and started again, counted in the flow's
+    restarts; once the drop is gone, the flow's bytes come."""
+    lab = make_lab(2)
+    flow = Flow.model_validate({"from": 0, "to": 1, "kind": "udp", "rate": "1mbit"})
+    traffic = CrossTraffic({"f": flow}, run_dir=tmp_path,
+                           address_of=lambda rank: lab.hosts[rank].address,
+                           here=lambda rank: ["ip", "netns", "exec", lab.hosts[rank].netns])
+    for command in ("add table inet cut", "add chain inet cut pre { type filter hook prerouting "
+                    "priority -300 ; }", "add rule inet cut pre udp dport 5201 drop"):
+        assert lab.run(lab.hosts[1], ["nft", *command.split()]).returncode == 0, command
+    (state,) = traffic.flows
+    traffic.start()
+    try:
+        wait_for("the first client ended and started again", lambda: state.restarts,
+                 lambda restarts: restarts >= 1, CONNECT_WAIT + 10, every=0.2)
+        assert lab.run(lab.hosts[1], ["nft", "delete", "table", "inet", "cut"]).returncode == 0
+        wait_for("the flow's bytes at its receiver", lambda: state.received_bytes,
+                 lambda received: received > 0, 2 * CONNECT_WAIT + 10, every=0.2)
+    finally:
+        traffic.stop()
+    assert "connected to" in (tmp_path / "logs" / "traffic-f.log").read_text()
