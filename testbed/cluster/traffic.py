@@ -317,8 +317,7 @@ class CrossTraffic:
             state.bursts += 1
             if not self._run_client(state, burst, end) and not self._stopping.is_set():
                 state.restarts += 1  # never connected: the next burst comes as usual
-            if self._stopping.is_set() or self._stopping.wait(
-                    min(flow.off, max(0.0, end - time.monotonic()))):
+            if self._stopping.wait(min(flow.off, max(0.0, end - time.monotonic()))):
                 return
 
     def _run_client(self, state: FlowState, argv: list[str], end: float) -> bool:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from live import ended, start_run, wait_for
+from nft_drop import drop, stop_dropping
 
 from netem.lab import lab_namespaces
 from testbed.cluster.runner import ClusterRun
@@ -156,15 +157,13 @@ def test_a_client_whose_set_up_was_lost_is_ended_and_started_again(make_lab, tmp
     traffic = CrossTraffic({"f": flow}, run_dir=tmp_path,
                            address_of=lambda rank: lab.hosts[rank].address,
                            here=lambda rank: ["ip", "netns", "exec", lab.hosts[rank].netns])
-    for command in ("add table inet cut", "add chain inet cut pre { type filter hook prerouting "
-                    "priority -300 ; }", "add rule inet cut pre udp dport 5201 drop"):
-        assert lab.run(lab.hosts[1], ["nft", *command.split()]).returncode == 0, command
+    drop(lab, lab.hosts[1], "udp dport 5201", 100)
     (state,) = traffic.flows
     traffic.start()
     try:
         wait_for("the first client ended and started again", lambda: state.restarts,
                  lambda restarts: restarts >= 1, CONNECT_WAIT + 10, every=0.2)
-        assert lab.run(lab.hosts[1], ["nft", "delete", "table", "inet", "cut"]).returncode == 0
+        stop_dropping(lab, lab.hosts[1])
         wait_for("the flow's bytes at its receiver", lambda: state.received_bytes,
                  lambda received: received > 0, 2 * CONNECT_WAIT + 10, every=0.2)
     finally:
