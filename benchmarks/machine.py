@@ -35,9 +35,12 @@ def in_guest(module: str, *arguments: str) -> tuple[list[Any], str]:
 
 
 def command(module: str) -> str:
-    """This run's command as typed at the repository root: `.venv/bin/python -m MODULE` and
-    the arguments it was given."""
-    return " ".join([".venv/bin/python", "-m", module, *sys.argv[1:]])
+    """This run's command as typed at the repository root: the interpreter (`.venv/bin/python`
+    for the project's venv; another one by its own path), `-m MODULE` and the arguments."""
+    interpreter = Path(sys.executable)
+    if interpreter.is_relative_to(REPO):
+        interpreter = interpreter.relative_to(REPO)
+    return " ".join([str(interpreter), "-m", module, *sys.argv[1:]])
 
 
 def cpu() -> str:
