@@ -5,17 +5,20 @@ Methods (the job's strategy): `ddp` (strategy gradient: every step an all-reduce
 gradients), `diloco-h10` and `diloco-h50` (DiLoCo, H = 10 and 50), `streaming` (Streaming
 DiLoCo: H = 50, five fragments, the all-reduces overlapped with the inner steps, outer gradients
 in int4) and `average` (local steps, the parameters averaged every 10 steps), all with the same
-inner optimizer (AdamW) and data. Networks: `clean` (unshaped), `100mbit-20ms` and
-`10mbit-50ms-1%` on every link (a delay needs sch_netem: where the kernel has none, run the
-benchmark in the UML sandbox, `python -m netem.sandbox run -- .venv/bin/python -m
-benchmarks.diloco`; here such cells are recorded as skipped). Collectives: gloo, the ring and
-lossy for every method, and Moshpit for `average` and DiLoCo. Every cell is one `ClusterRun`
-(namespaces) per seed; the figures: held-out perplexity after the last step (equal inner
-steps), bytes each worker sent, the wall-clock from the start of training until the workers'
-mean held-out perplexity first reached DDP's final one (same network, collective and seed;
-Moshpit's cells against the ring's DDP), and the longest wait of an inner step for an outer
-all-reduce. The issue's targets are checked from the run's own numbers. Writes
-benchmarks/results/diloco.md after every cell.
+inner optimizer (AdamW) and data; `torchft-h50`, the outside reference, is torchft's DiLoCo
+(H = 50) on the same model, data and seed, as a command job (examples/torchft/train_diloco.py,
+its own gloo process group: the cells' collective `torchft`; it needs the `torchft` extra).
+Networks: `clean` (unshaped), `100mbit-20ms` and `10mbit-50ms-1%` on every link (a delay needs
+sch_netem: where the kernel has none, run the benchmark in the UML sandbox, `python -m
+netem.sandbox run -- .venv/bin/python -m benchmarks.diloco`; here such cells are recorded as
+skipped). Collectives: gloo, the ring and lossy for every method, and Moshpit for `average` and
+DiLoCo. Every cell is one `ClusterRun` (namespaces) per seed; the figures: held-out perplexity
+after the last step (equal inner steps), bytes each worker sent, the wall-clock from the start
+of training until the workers' mean held-out perplexity first reached DDP's final one (same
+network, collective and seed; Moshpit's cells against the ring's DDP, torchft's against
+gloo's), and the longest wait of an inner step for an outer all-reduce. The issue's targets are
+checked from the run's own numbers, and torchft's perplexity against `diloco-h50` over gloo.
+Writes benchmarks/results/diloco.md after every cell.
 
     .venv/bin/python -m benchmarks.diloco [--quick] [--steps N] [--seeds 11,12,..]
         [--networks N,..] [--methods M,..] [--collectives C,..] [--timeout S] [--out PATH]
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import math
 import os
 import statistics
@@ -59,9 +63,12 @@ METHODS: dict[str, dict[str, Any]] = {
     "streaming": {"strategy": "diloco", "inner_steps": 50,
                   "streaming": {"fragments": 5, "overlap": True}},
     "average": {"strategy": "average", "average_every": 10},
+    "torchft-h50": {},  # a command job: `Cell.scenario`
 }
+TORCHFT, TORCHFT_INNER_STEPS = "torchft-h50", 50
+TORCHFT_SCRIPT = REPO / "examples" / "torchft" / "train_diloco.py"
 COMPRESSOR = {"streaming": "int4"}  # the paper's 4-bit outer gradients
-COLLECTIVES = ("gloo", "ring", "lossy", "moshpit")
+COLLECTIVES = ("gloo", "ring", "lossy", "moshpit", "torchft")
 MOSHPIT_METHODS = ("average", "diloco-h10", "diloco-h50")
 # Moshpit leaves out a peer not there in time: a call on the slow network needs longer than
 # its 5 s default.
@@ -86,15 +93,21 @@ class Cell:
 
     def scenario(self, steps: int, eval_every: int) -> dict[str, Any]:
         """The scenario, as the YAML the runner loads."""
+        profile = NETWORKS[self.network]
+        common = {"name": f"diloco-{self.name}", "seed": self.seed, "workers": WORLD,
+                  "topology": {"default": profile} if profile else {}}
+        if self.method == TORCHFT:  # the job's settings as the script's flags
+            return {**common, "job": {"command": [
+                "python", str(TORCHFT_SCRIPT), "--steps", str(steps), "--inner-steps",
+                str(TORCHFT_INNER_STEPS), "--batch", str(JOB["batch"]),
+                "--lr", str(JOB["optimizer"]["adamw"]["lr"]), "--eval-every", str(eval_every),
+                "--eval-samples", str(JOB["eval_samples"])]}}
         job = {**JOB, **METHODS[self.method], "steps": steps, "eval_every": eval_every}
         collective: dict[str, Any] = {"kind": self.collective,
                                       **COLLECTIVE_OPTIONS.get(self.collective, {})}
         if self.method in COMPRESSOR:
             collective["compressor"] = {"kind": COMPRESSOR[self.method]}
-        profile = NETWORKS[self.network]
-        return {"name": f"diloco-{self.name}", "seed": self.seed, "workers": WORLD,
-                "topology": {"default": profile} if profile else {}, "job": job,
-                "collective": collective, "metrics": {"drift_every": 0}}
+        return {**common, "job": job, "collective": collective, "metrics": {"drift_every": 0}}
 
 
 @dataclass
@@ -115,8 +128,12 @@ def run_cell(cell: Cell, steps: int, eval_every: int, timeout: float,
     """Run the cell's scenario within `timeout` and read its figures from the run."""
     import numpy as np
 
+    if cell.method == TORCHFT and importlib.util.find_spec("torchft") is None:
+        return Outcome(cell, "skipped", "torchft is not installed: pip install -e '.[torchft]'")
     ran = run_scenario(cell.scenario(steps, eval_every), cell.name, workdir, timeout)
     outcome = Outcome(cell, ran.status, ran.note)
+    if cell.method == TORCHFT:
+        return read_command_job(outcome, workdir / cell.name)
     run = ran.run
     if run is None or not run.steps:
         return outcome
@@ -138,6 +155,38 @@ def run_cell(cell: Cell, steps: int, eval_every: int, timeout: float,
     return outcome
 
 
+def read_command_job(outcome: Outcome, run_dir: Path) -> Outcome:
+    """torchft's figures from its workers' JSON lines (examples/torchft/train_diloco.py):
+    its process group counts no bytes, nor its waits."""
+    lines = []
+    for log in sorted((run_dir / "logs").glob("worker-*.stdout")):
+        lines.append([json.loads(line) for line in log.read_text().splitlines()
+                      if line.startswith("{")])
+    if len(lines) != WORLD or not all(lines):
+        return outcome
+    ends = [worker[-1] for worker in lines]
+    evaluated: dict[int, list[tuple[float, float]]] = {}
+    for worker in lines:
+        for line in worker:
+            if "perplexity" in line and "step" in line:
+                evaluated.setdefault(line["step"], []).append((line["seconds"],
+                                                               line["perplexity"]))
+    outcome.curve = [(max(t for t, _ in points), statistics.fmean(p for _, p in points))
+                     for _, points in sorted(evaluated.items()) if len(points) == WORLD]
+    if outcome.status == "ok" and all("rank" in end for end in ends):
+        outcome.perplexity = statistics.fmean(end["perplexity"] for end in ends)
+        outcome.training_seconds = max(end["seconds"] for end in ends)
+    return outcome
+
+
+def collectives_of(method: str, collectives: list[str]) -> list[str]:
+    """The chosen collectives `method` runs over: torchft only its own, Moshpit only some."""
+    if method == TORCHFT:
+        return ["torchft"] if "torchft" in collectives else []
+    return [c for c in collectives
+            if c != "torchft" and (c != "moshpit" or method in MOSHPIT_METHODS)]
+
+
 def plan(networks: list[str], methods: list[str], collectives: list[str],
          seeds: list[int]) -> list[Cell]:
     """Per network and seed, DDP first (the reference of the others), then the methods, each
@@ -145,8 +194,7 @@ def plan(networks: list[str], methods: list[str], collectives: list[str],
     ordered = sorted(methods, key=lambda method: method != "ddp")
     return [Cell(network, method, collective, seed)
             for network in networks for seed in seeds for method in ordered
-            for collective in collectives
-            if collective != "moshpit" or method in MOSHPIT_METHODS]
+            for collective in collectives_of(method, collectives)]
 
 
 # -- the report ------------------------------------------------------------------------------
@@ -154,8 +202,10 @@ def plan(networks: list[str], methods: list[str], collectives: list[str],
 
 def reference(outcome: Outcome, outcomes: list[Outcome]) -> Outcome | None:
     """DDP of the same network and seed over the same collective (Moshpit, which has no DDP
-    cell: over the ring, which counts its bytes as Moshpit does)."""
-    collective = "ring" if outcome.cell.collective == "moshpit" else outcome.cell.collective
+    cell: over the ring, which counts its bytes as Moshpit does; torchft: over gloo, its own
+    process group's)."""
+    collective = {"moshpit": "ring", "torchft": "gloo"}.get(outcome.cell.collective,
+                                                           outcome.cell.collective)
     return next((o for o in outcomes if o.cell == Cell(outcome.cell.network, "ddp", collective,
                                                        outcome.cell.seed)
                  and o.status == "ok"), None)
@@ -286,16 +336,22 @@ def missed_because(change: float, fewer: float) -> str:
     return "; ".join(causes)
 
 
-def torchft_note() -> str:
-    """Whether the outside reference (torchft's DiLoCo) could run here."""
-    installed = importlib.util.find_spec("torchft") is not None
-    return ("The outside reference, the same DiLoCo run through torchft's `DiLoCo` as a command "
-            "job, is not part of this run: "
-            + ("torchft is installed, but the command job around its Manager and lighthouse is "
-               "not written yet." if installed else
-               "torchft (PyPI `torchft`) is not installed in this environment: its Manager "
-               "needs its lighthouse server beside the job, and installing it into the "
-               "project's environment would bring its own torch requirement."))
+def torchft_agreement(outcomes: list[Outcome]) -> list[str]:
+    """torchft's DiLoCo against the testbed's over gloo, seed by seed: the same algorithm on the
+    same all-reduce should end at the same perplexity."""
+    said = []
+    for outcome in outcomes:
+        if outcome.cell.method != TORCHFT or outcome.status != "ok":
+            continue
+        ours = next((o for o in outcomes if o.status == "ok" and o.cell == Cell(
+            outcome.cell.network, "diloco-h50", "gloo", outcome.cell.seed)), None)
+        if ours is not None:
+            said.append(f"- torchft's DiLoCo against `diloco-h50` over gloo, "
+                        f"{outcome.cell.network}, seed {outcome.cell.seed}: perplexity "
+                        f"{outcome.perplexity:.4f} against {ours.perplexity:.4f} "
+                        f"({100 * (outcome.perplexity / ours.perplexity - 1):+.3f}%).")
+    return said or [f"- The outside reference (`{TORCHFT}`, torchft's DiLoCo) was not run "
+                    "beside `diloco-h50` over gloo in this run."]
 
 
 def report(outcomes: list[Outcome], run: Run, steps: int, eval_every: int, note: str = "",
@@ -310,14 +366,17 @@ def report(outcomes: list[Outcome], run: Run, steps: int, eval_every: int, note:
         f"AdamW lr {JOB['optimizer']['adamw']['lr']:g} (DiLoCo's inner optimizer; the outer "
         f"one SGD lr 0.7, momentum 0.9, Nesterov), {steps} steps, held-out evaluation every "
         f"{eval_every} steps ({JOB['eval_samples']} windows). Methods: " + "; ".join(
-            f"`{name}` {spec}" for name, spec in METHODS.items())
+            f"`{name}` {spec}" for name, spec in METHODS.items() if name != TORCHFT)
+        + f"; `{TORCHFT}` torchft's DiLoCo, H = {TORCHFT_INNER_STEPS}, the same job as a "
+        "command (examples/torchft/train_diloco.py, its own gloo process group)"
         + f"; `streaming` with compressor {COMPRESSOR['streaming']}.",
         "",
         "Columns, over the seeds (mean ± standard deviation): `perplexity` after the last step "
         "(mean of the four workers: equal inner steps for every method), `vs DDP` its change "
         "against DDP over the same collective, network and seed (Moshpit's cells: against "
-        "the ring's DDP), `MB sent / worker` what each worker's collective sent in the whole run "
-        "(`-` for gloo, whose stats count no bytes), "
+        "the ring's DDP; torchft's: gloo's), `MB sent / worker` what each worker's "
+        "collective sent in the whole run (`-` for gloo and torchft, whose process groups "
+        "count no bytes), "
         "`DDP's bytes / these` how many times fewer that is, `time to DDP's final "
         "perplexity` the training wall-clock until the workers' mean held-out perplexity "
         "first reached DDP's final one, as a share of DDP's own training time (read at the "
@@ -332,7 +391,7 @@ def report(outcomes: list[Outcome], run: Run, steps: int, eval_every: int, note:
         shaped = ", ".join(f"{k} {v}" for k, v in profile.items()) or "unshaped"
         lines += [f"## {network} ({shaped})", "", *table(outcomes, network), ""]
     lines += ["## Targets (checked from this run's numbers)", "", *targets(outcomes), "",
-              torchft_note(), ""]
+              "## The outside reference", "", *torchft_agreement(outcomes), ""]
     return "\n".join(lines)
 
 
