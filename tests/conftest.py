@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 
 from netem.lab import Lab
+from testbed.pytest_plugin.requirements import in_ci
 from testbed.report import describe_runs
 
-IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+IN_CI = in_ci()
 _measured_key: pytest.StashKey[list[str]] = pytest.StashKey()  # lines for the run's summary
 
 

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 from pathlib import Path
 
 import pytest
 import yaml
 
 from testbed.cluster.runner import ClusterRun
+from testbed.pytest_plugin.requirements import in_ci
 
 pytestmark = pytest.mark.netns
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "torchft" / "train_diloco.py"
@@ -39,8 +39,7 @@ def run(tmp_path: Path, name: str, job: dict, **extra) -> dict:
 def test_torchfts_diloco_and_the_testbeds_end_at_the_same_perplexity(tmp_path: Path, measured):
     if importlib.util.find_spec("torchft") is None:
         message = "needs torchft: pip install -e '.[torchft]' (make bootstrap installs it)"
-        in_ci = os.environ.get("CI", "").lower() in ("1", "true", "yes")  # as conftest.py
-        pytest.fail(message) if in_ci else pytest.skip(message)
+        pytest.fail(message) if in_ci() else pytest.skip(message)
     run(tmp_path, "torchft", {"command": [
         "python", str(EXAMPLE), "--steps", str(STEPS), "--inner-steps", str(INNER_STEPS),
         "--eval-every", str(STEPS), "--timeout", "60"]})
