@@ -10,18 +10,25 @@ inner optimizer (AdamW) and data; `torchft-h50`, the outside reference, is torch
 its own gloo process group: the cells' collective `torchft`; it needs the `torchft` extra).
 Networks: `clean` (unshaped), `100mbit-20ms` and `10mbit-50ms-1%` on every link (a delay needs
 sch_netem: where the kernel has none, run the benchmark in the UML sandbox, `python -m
-netem.sandbox run -- .venv/bin/python -m benchmarks.diloco`; here such cells are recorded as
-skipped). Collectives: gloo, the ring and lossy for every method, and Moshpit for `average` and
+netem.sandbox run -- .venv/bin/python -m benchmarks.diloco`; here such cells are skipped,
+not recorded). Collectives: gloo, the ring and lossy for every method, and Moshpit for `average` and
 DiLoCo. Every cell is one `ClusterRun` (namespaces) per seed; the figures: held-out perplexity
 after the last step (equal inner steps), bytes each worker sent, the wall-clock from the start
 of training until the workers' mean held-out perplexity first reached DDP's final one (same
 network, collective and seed; Moshpit's cells against the ring's DDP, torchft's against
 gloo's), and the longest wait of an inner step for an outer all-reduce. The issue's targets are
 checked from the run's own numbers, and torchft's perplexity against `diloco-h50` over gloo.
-Writes benchmarks/results/diloco.md after every cell.
+
+The whole benchmark takes many hours here (DDP's 500 steps on the slow network alone: ~50 min a
+cell in the guest), so it is run in parts: every finished cell is kept as its own record
+(`diloco-cells/NAME.json` beside the results file: the figures, and the command, date and
+machine that produced them), `--resume` runs only the cells not recorded yet, and after every
+cell benchmarks/results/diloco.md is rewritten from all the records. Processes with disjoint
+cells can run at once (two guests: one per network) and share the records.
 
     .venv/bin/python -m benchmarks.diloco [--quick] [--steps N] [--seeds 11,12,..]
-        [--networks N,..] [--methods M,..] [--collectives C,..] [--timeout S] [--out PATH]
+        [--networks N,..] [--methods M,..] [--collectives C,..] [--timeout S] [--resume]
+        [--out PATH]
 """
 
 from __future__ import annotations
@@ -34,11 +41,12 @@ import os
 import statistics
 import sys
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.report import Run, partial
+from benchmarks import machine
+from benchmarks.report import Run
 from benchmarks.scenario_runs import fmt, run_scenario, status_text
 
 REPO = Path(__file__).resolve().parents[1]
@@ -121,6 +129,48 @@ class Outcome:
     outer_wait: float = math.nan  # the longest wait of a step for outer all-reduces
     # (seconds since the start of training, mean held-out perplexity) at each evaluation
     curve: list[tuple[float, float]] = field(default_factory=list)
+
+
+@dataclass
+class Record:
+    """A finished cell as kept on disk: its outcome, the run's length, and what produced it."""
+
+    outcome: Outcome
+    steps: int
+    eval_every: int
+    started: str  # when the process that ran it started, ISO 8601 UTC
+    seconds: float  # how long that process had run when it wrote the record
+    written_by: str  # that process's `machine.written_by` sentence then
+
+    def save(self, directory: Path) -> None:
+        """Write it as `directory/CELL.json`, whole or not at all (a run may stop any time)."""
+        path = directory / f"{self.outcome.cell.name}.json"
+        partial_path = path.with_suffix(".part")
+        partial_path.write_text(json.dumps(asdict(self), indent=1) + "\n")
+        partial_path.replace(path)
+
+    @classmethod
+    def load(cls, path: Path) -> Record:
+        data = json.loads(path.read_text())
+        outcome = data.pop("outcome")
+        outcome["cell"] = Cell(**outcome["cell"])
+        outcome["curve"] = [tuple(point) for point in outcome["curve"]]
+        return cls(Outcome(**outcome), **data)
+
+
+def records_dir(out: Path) -> Path:
+    """Where the records of the results file `out` live: `NAME-cells/` beside it."""
+    return out.with_name(f"{out.stem}-cells")
+
+
+def load_records(directory: Path) -> list[Record]:
+    """Every record in `directory`, in the order of the full plan (DDP first per network)."""
+    order = {name: i for i, name in enumerate([*NETWORKS, *METHODS, *COLLECTIVES])}
+    records = [Record.load(path) for path in directory.glob("*.json")]
+    return sorted(records, key=lambda r: (order[r.outcome.cell.network],
+                                          r.outcome.cell.method != "ddp",
+                                          order[r.outcome.cell.method],
+                                          order[r.outcome.cell.collective], r.outcome.cell.seed))
 
 
 def run_cell(cell: Cell, steps: int, eval_every: int, timeout: float,
@@ -354,11 +404,27 @@ def torchft_agreement(outcomes: list[Outcome]) -> list[str]:
                     "beside `diloco-h50` over gloo in this run."]
 
 
-def report(outcomes: list[Outcome], run: Run, steps: int, eval_every: int, note: str = "",
+def provenance(records: list[Record]) -> list[str]:
+    """One paragraph per process that wrote records: its command, date, machine and cells."""
+    latest: dict[str, Record] = {}
+    counts: dict[str, int] = {}
+    for record in records:
+        counts[record.started] = counts.get(record.started, 0) + 1
+        if record.started not in latest or record.seconds > latest[record.started].seconds:
+            latest[record.started] = record
+    return [line for started in sorted(latest) for line in
+            (f"{latest[started].written_by} Cells recorded: {counts[started]}.", "")]
+
+
+def report(records: list[Record], steps: int, eval_every: int, note: str = "",
            networks: list[str] | None = None) -> str:
-    networks = networks or list(NETWORKS)
+    """The results file from the records (all of `steps` and `eval_every`)."""
+    outcomes = [record.outcome for record in records]
+    networks = [n for n in NETWORKS if n in (networks or []) or
+                any(o.cell.network == n for o in outcomes)]
     lines = [
-        *run.header("DiLoCo and Streaming DiLoCo against synchronous DDP", note),
+        "# DiLoCo and Streaming DiLoCo against synchronous DDP", "",
+        *([f"**{note}**", ""] if note else []), *provenance(records),
         f"How: every cell is one `ClusterRun` (backend auto) of a scenario written by the "
         f"benchmark: {WORLD} workers, each a process in its own network namespace, every link "
         "shaped alike. The job is the same in every cell but for its strategy: `char-lm` "
@@ -390,7 +456,7 @@ def report(outcomes: list[Outcome], run: Run, steps: int, eval_every: int, note:
         profile = NETWORKS[network]
         shaped = ", ".join(f"{k} {v}" for k, v in profile.items()) or "unshaped"
         lines += [f"## {network} ({shaped})", "", *table(outcomes, network), ""]
-    lines += ["## Targets (checked from this run's numbers)", "", *targets(outcomes), "",
+    lines += ["## Targets (checked from the recorded cells' numbers)", "", *targets(outcomes), "",
               "## The outside reference", "", *torchft_agreement(outcomes), ""]
     return "\n".join(lines)
 
@@ -410,7 +476,11 @@ def main() -> None:
     parser.add_argument("--collectives", default=",".join(COLLECTIVES),
                         help="comma-separated, of %(default)s")
     parser.add_argument("--timeout", type=float, help=f"seconds per run (default {TIMEOUT:.0f})")
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the cells already recorded beside --out and run the rest "
+                        "(default: start over)")
+    parser.add_argument("--out", type=Path, default=RESULTS,
+                        help="the results file; its cells are recorded in NAME-cells/ beside it")
     args = parser.parse_args()
     chosen = {}
     for name, allowed in (("networks", NETWORKS), ("methods", METHODS),
@@ -435,29 +505,53 @@ def main() -> None:
     steps = args.steps or (QUICK_STEPS if args.quick else STEPS)
     eval_every = QUICK_EVAL_EVERY if args.quick else EVAL_EVERY
     timeout = args.timeout or (QUICK_TIMEOUT if args.quick else TIMEOUT)
+    directory = records_dir(args.out)
+    directory.mkdir(parents=True, exist_ok=True)
+    if args.resume:
+        kept = load_records(directory)
+        other = sorted({(r.steps, r.eval_every) for r in kept} - {(steps, eval_every)})
+        if other:
+            parser.error(f"--resume: {directory} holds cells of {other[0][0]} steps evaluated "
+                         f"every {other[0][1]}, this run has {steps} and {eval_every}: run with "
+                         "those, or without --resume to start over")
+    else:
+        for path in directory.glob("*.json"):
+            path.unlink()
+        kept = []
+    done = {r.outcome.cell for r in kept if r.outcome.status != "skipped"}  # run them again
+    cells = [cell for cell in plan(chosen["networks"], chosen["methods"],
+                                   chosen["collectives"], seeds) if cell not in done]
+    full = len(plan(list(NETWORKS), list(METHODS), list(COLLECTIVES), list(SEEDS)))
     shapes_delay = netem_available()
     run = Run.start("benchmarks.diloco")
-    cells = plan(chosen["networks"], chosen["methods"], chosen["collectives"], seeds)
-    note = "Quick run: one seed, few steps, one network." if args.quick else ""
-    outcomes: list[Outcome] = []
-    args.out.parent.mkdir(parents=True, exist_ok=True)
+    print(f"{len(done)} cells recorded in {directory}, {len(cells)} to run", file=sys.stderr)
+
+    def rewrite() -> str:
+        records = load_records(directory)  # other processes' too
+        note = ("Quick run: one seed, few steps, one network." if args.quick else
+                "" if len(records) >= full else
+                f"Partial: {len(records)} of the full benchmark's {full} cells "
+                f"({', '.join(NETWORKS)}; seeds {', '.join(map(str, SEEDS))}) recorded so far.")
+        text = report(records, steps, eval_every, note, chosen["networks"])
+        args.out.write_text(text)
+        return text
+
     with tempfile.TemporaryDirectory(prefix="tb-diloco-") as tmp:
         for number, cell in enumerate(cells, start=1):
             if "delay" in NETWORKS[cell.network] and not shapes_delay:
                 outcome = Outcome(cell, "skipped", "this kernel has no sch_netem for the delay: "
                                   "run in the UML sandbox")
-            else:
+            else:  # recorded only where it ran: a skip is this kernel's, not the cell's
                 outcome = run_cell(cell, steps, eval_every, timeout, Path(tmp))
-            outcomes.append(outcome)
+                Record(outcome, steps, eval_every, run.started.isoformat(), run.elapsed(),
+                       machine.written_by(run.command, run.started, run.elapsed())
+                       ).save(directory)
             print(f"{run.progress(number, len(cells))} {cell.name}: {status_text(outcome)}, "
                   f"perplexity {fmt(outcome.perplexity, 4)}, "
                   f"{fmt(outcome.bytes_sent / 1e6)} MB sent per worker",
                   file=sys.stderr, flush=True)
-            args.out.write_text(report(outcomes, run, steps, eval_every,
-                                       " ".join(filter(None, [note, partial(number,
-                                                                            len(cells))])),
-                                       chosen["networks"]))
-    print(report(outcomes, run, steps, eval_every, note, chosen["networks"]))
+            rewrite()
+    print(rewrite())
     print(f"wrote {args.out}", file=sys.stderr)
 
 
