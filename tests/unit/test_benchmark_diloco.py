@@ -71,3 +71,24 @@ def test_every_cell_is_a_valid_scenario(tmp_path):
         path = tmp_path / f"{cell.name}.yaml"
         path.write_text(yaml.safe_dump(cell.scenario(500, 25)))
         assert load_scenario(path).seed == 11
+
+
+def test_diloco_h50_runs_on_where_its_wall_clock_is_the_target():
+    """On the slow network DiLoCo H=50 trains REACH times the equal steps; a record of it from
+    before it ran on is run again, the others are kept, and a skipped cell always runs again."""
+    slow, clean = diloco.SLOW_NETWORK, "clean"
+    assert Cell(slow, "diloco-h50", "gloo", 11).steps_run(500) == 500 * diloco.REACH
+    assert Cell(slow, "diloco-h10", "gloo", 11).steps_run(500) == 500
+    assert Cell(clean, "diloco-h50", "gloo", 11).steps_run(500) == 500
+    assert diloco.REACH > 1
+
+    def kept(network: str, method: str, steps_run: int, status: str = "ok") -> Record:
+        result = Outcome(Cell(network, method, "lossy", 11), status, steps_run=steps_run)
+        return Record(result, 500, 25, "2026-11-28T10:00:00+00:00", 1.0, "")
+
+    records = [kept(slow, "diloco-h50", 0), kept(slow, "diloco-h10", 0),
+               kept(clean, "diloco-h50", 500), kept(slow, "ddp", 500, "skipped")]
+    assert diloco.recorded(records, 500) == {Cell(slow, "diloco-h10", "lossy", 11),
+                                             Cell(clean, "diloco-h50", "lossy", 11)}
+    records.append(kept(slow, "diloco-h50", 500 * diloco.REACH))
+    assert Cell(slow, "diloco-h50", "lossy", 11) in diloco.recorded(records, 500)
