@@ -554,7 +554,8 @@ def main() -> None:
     full = len(plan(list(NETWORKS), list(METHODS), list(COLLECTIVES), list(SEEDS)))
     shapes_delay = netem_available()
     run = Run.start("benchmarks.diloco")
-    print(f"{len(done)} cells recorded in {directory}, {len(cells)} to run", file=sys.stderr)
+    print(f"{len(done)} recorded cells kept ({directory}), {len(cells)} to run",
+          file=sys.stderr)
 
     def rewrite() -> str:
         records = load_records(directory)  # other processes' too
