@@ -29,6 +29,7 @@ from testbed.collectives.moshpit import (
     demo_input,
     run_demo_peer,
 )
+from testbed.collectives.moshpit.inbox import GRACE, Inbox
 
 NUMEL = 100_000
 WAIT = 10.0  # seconds any bounded poll may take before the test fails
@@ -198,6 +199,25 @@ def test_leave_and_rejoin_pulls_state_and_takes_part(swarm):
     for result, stats in reduce_all(peers, inputs, step=2).values():
         torch.testing.assert_close(result, inputs.mean(0))
         assert stats.peers_missing == ()
+
+
+def test_a_restarted_peer_is_waited_for_though_its_predecessor_closed():
+    """A closed connection means its sender is gone after GRACE; but once the membership shows
+    the sender's new incarnation, the old close (even one that comes later) says nothing of the
+    new process, which is waited for until the deadline like any live peer. (Before: a peer
+    whose round reached the restarted one first gave up on it at once.)"""
+    inbox, old = Inbox(), object()
+    inbox.connected(2, old)
+    inbox.disconnected(2, old)
+    closed = time.monotonic()
+    assert inbox.take([2], 0, 0, Phase.READY, closed + WAIT) == {}  # gone after GRACE
+    assert time.monotonic() - closed < WAIT
+
+    inbox.restarted(2)
+    inbox.disconnected(2, old)  # the predecessor's close, noticed late
+    start = time.monotonic()
+    assert inbox.take([2], 0, 0, Phase.READY, start + 2 * GRACE) == {}
+    assert time.monotonic() - start >= 2 * GRACE  # waited to the deadline, not GRACE
 
 
 def test_pull_state_is_none_before_anyone_averaged(swarm):

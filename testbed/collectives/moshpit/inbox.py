@@ -72,6 +72,15 @@ class Inbox:
             self._streams[sender] = stream
             self._closed_at.pop(sender, None)
 
+    def restarted(self, sender: int) -> None:
+        """`sender` is a new process (a new incarnation in the membership): its predecessor's
+        connection, closed or still closing, says nothing of it, so it is waited for as any live
+        peer until it connects."""
+        with self._cond:
+            self._streams.pop(sender, None)  # the old connection's close is ignored from now
+            self._closed_at.pop(sender, None)
+            self._cond.notify_all()
+
     def disconnected(self, sender: int, stream: Stream) -> None:
         with self._cond:
             if self._streams.get(sender) is stream:

@@ -68,6 +68,7 @@ class Moshpit(CollectiveBase):
         self.grid = Grid.for_world(world, group_size)
         self.incarnation = secrets.randbits(31)
         self._inbox = Inbox()
+        self._incarnations: dict[int, int] = {}  # per peer, the incarnation last seen
         self._outbox = Outbox(rank, run_id, congestion, key)
         self._lock = threading.Lock()  # closed
         self._closed = False
@@ -188,8 +189,12 @@ class Moshpit(CollectiveBase):
         self._inbox.enter(step, seq)
         start, (sent, received) = time.monotonic(), self._bytes()
         grid_group = self.grid.group(self.rank, round_index)
-        channel = Channel(self.rank, step, seq, self.membership.alive(), self._outbox,
-                          self._inbox, schedule.end)
+        alive = self.membership.alive()
+        for peer, member in alive.items():
+            if self._incarnations.setdefault(peer, member.incarnation) != member.incarnation:
+                self._incarnations[peer] = member.incarnation
+                self._inbox.restarted(peer)  # not the predecessor whose connection closed
+        channel = Channel(self.rank, step, seq, alive, self._outbox, self._inbox, schedule.end)
         group = roll_call(channel, grid_group, weight, schedule.roll_call(position))
         result = average_in_group(channel, group, work, weight, schedule, position)
         now_sent, now_received = self._bytes()
