@@ -10,14 +10,15 @@ inner optimizer (AdamW) and data; `torchft-h50`, the outside reference, is torch
 its own gloo process group: the cells' collective `torchft`; it needs the `torchft` extra).
 Networks: `clean` (unshaped), `100mbit-20ms` and `10mbit-50ms-1%` on every link (a delay needs
 sch_netem: where the kernel has none, run the benchmark in the UML sandbox, `python -m
-netem.sandbox run -- .venv/bin/python -m benchmarks.diloco`; here such cells are skipped,
-not recorded). Collectives: gloo, the ring and lossy for every method, and Moshpit for `average` and
-DiLoCo. Every cell is one `ClusterRun` (namespaces) per seed; the figures: held-out perplexity
-after the last step (equal inner steps), bytes each worker sent, the wall-clock from the start
-of training until the workers' mean held-out perplexity first reached DDP's final one (same
-network, collective and seed; Moshpit's cells against the ring's DDP, torchft's against
-gloo's), and the longest wait of an inner step for an outer all-reduce. The issue's targets are
-checked from the run's own numbers, and torchft's perplexity against `diloco-h50` over gloo.
+netem.sandbox run --timeout 14400 --mem 4G -- .venv/bin/python -m benchmarks.diloco`; here such
+cells are skipped, not recorded). Collectives: gloo, the ring and lossy for every method, and
+Moshpit for `average` and DiLoCo. Every cell is one `ClusterRun` (namespaces) per seed; the
+figures: held-out perplexity after the last step (equal inner steps), bytes each worker sent,
+the wall-clock from the start of training until the workers' mean held-out perplexity first
+reached DDP's final one (same network, collective and seed; Moshpit's cells against the ring's
+DDP, torchft's against gloo's), and the longest wait of an inner step for an outer all-reduce.
+The issue's targets are checked from the run's own numbers, and torchft's perplexity against
+`diloco-h50` over gloo.
 
 The whole benchmark takes many hours here (DDP's 500 steps on the slow network alone: ~50 min a
 cell in the guest), so it is run in parts: every finished cell is kept as its own record
