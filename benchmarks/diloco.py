@@ -144,6 +144,10 @@ class Outcome:
     curve: list[tuple[float, float]] = field(default_factory=list)
     steps_run: int = 0  # the steps trained (0: a record from before cells ran on)
 
+    def trained(self, steps: int) -> int:
+        """The steps it trained, `steps` being the equal ones (all a record from before ran)."""
+        return self.steps_run or steps
+
 
 @dataclass
 class Record:
@@ -191,7 +195,7 @@ def recorded(records: list[Record], steps: int) -> set[Cell]:
     """The cells `--resume` need not run again: recorded, not skipped, and trained as far as the
     cell trains now (a record from before a cell ran on counts its equal steps)."""
     return {r.outcome.cell for r in records if r.outcome.status != "skipped"
-            and (r.outcome.steps_run or r.steps) == r.outcome.cell.steps_run(steps)}
+            and r.outcome.trained(r.steps) == r.outcome.cell.steps_run(steps)}
 
 
 def run_cell(cell: Cell, steps: int, eval_every: int, timeout: float,
@@ -380,7 +384,7 @@ def targets(outcomes: list[Outcome], steps: int) -> list[str]:
                         f"bytes ({len(against)} seeds): **{'met' if met else 'missed'}** "
                         f"(target: within {WITHIN:g}% with at least {FEWER_BYTES:g}x fewer "
                         "bytes)" + ("" if met else f"; {missed_because(change, fewer)}") + ".")
-        short = [o for o in cells if (o.steps_run or steps) < o.cell.steps_run(steps)]
+        short = [o for o in cells if o.trained(steps) < o.cell.steps_run(steps)]
         if network == SLOW_NETWORK and short:
             said.append(f"- DiLoCo H=50 over {collective} on {network}: the wall-clock to DDP's "
                         f"final perplexity not measured: {len(short)} record(s) trained only "
@@ -582,9 +586,9 @@ def main() -> None:
                                   "run in the UML sandbox")
             else:  # recorded only where it ran: a skip is this kernel's, not the cell's
                 outcome = run_cell(cell, steps, eval_every, timeout, Path(tmp))
-                Record(outcome, steps, eval_every, run.started.isoformat(), run.elapsed(),
-                       machine.written_by(run.command, run.started, run.elapsed())
-                       ).save(directory)
+                elapsed = run.elapsed()
+                Record(outcome, steps, eval_every, run.started.isoformat(), elapsed,
+                       machine.written_by(run.command, run.started, elapsed)).save(directory)
             print(f"{run.progress(number, len(cells))} {cell.name}: {status_text(outcome)}, "
                   f"perplexity {fmt(outcome.perplexity, 4)}, "
                   f"{fmt(outcome.bytes_sent / 1e6)} MB sent per worker",
