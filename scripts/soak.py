@@ -17,14 +17,8 @@ import xml.etree.ElementTree as ET
 from collections import Counter
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-VENV = Path(os.environ.get("VENV", ROOT / ".venv"))
-TIERS = {
-    "host": [str(VENV / "bin/python"), "-m", "pytest", "-m",
-             "not netem_kernel and not compose and not gpu", "tests"],
-    "compose": [str(VENV / "bin/python"), "-m", "pytest", "-m", "compose", "tests"],
-    "guest": [str(VENV / "bin/testbed"), "sandbox", "pytest", "-m", "netem_kernel", "tests"],
-}
+from tiers import ROOT, TIERS
+
 # Spins until its parent (this script) is gone, so an interrupted soak leaves no load behind.
 BUSY_LOOP = "import os\nparent = os.getppid()\nwhile os.getppid() == parent: pass"
 
