@@ -34,10 +34,6 @@ BESIDE = "guest"  # the tier that runs beside the others
 NICE = 10  # the others' niceness: the guest's one CPU goes first
 
 
-def _niced() -> None:
-    os.nice(NICE)
-
-
 def _stamp_end(process: subprocess.Popen[bytes], ended: list[float]) -> None:
     """Note when `process` ends: its tier's time, though it is read after the others end."""
     process.wait()
@@ -86,20 +82,22 @@ def main() -> int:
                 background = subprocess.Popen(TIERS[BESIDE], cwd=ROOT, stdout=sink,
                                               stderr=subprocess.STDOUT,
                                               start_new_session=True)
-            threading.Thread(target=_stamp_end, args=(background, ended), daemon=True).start()
+            stamper = threading.Thread(target=_stamp_end, args=(background, ended), daemon=True)
+            stamper.start()
         for tier in tiers:
             if beside and tier == BESIDE:
                 continue
             print(f"\ntiers: {tier} tier", flush=True)
             begun = time.monotonic()
-            exits[tier] = subprocess.run(TIERS[tier], cwd=ROOT,
-                                         preexec_fn=_niced if beside else None).returncode
+            # nice(1), not preexec_fn: a thread runs here, and preexec_fn is unsafe beside one
+            niced = ["nice", "-n", str(NICE)] if beside else []
+            exits[tier] = subprocess.run([*niced, *TIERS[tier]], cwd=ROOT).returncode
             seconds[tier] = time.monotonic() - begun
         if background is not None:
-            exits[BESIDE] = background.wait()
-            seconds[BESIDE] = ended[0] - started if ended else time.monotonic() - started
+            stamper.join()
+            exits[BESIDE] = background.returncode
+            seconds[BESIDE] = ended[0] - started
             print(f"\ntiers: {BESIDE} tier (ran beside the others)", flush=True)
-            sys.stdout.flush()
             sys.stdout.buffer.write(log.read_bytes())
             sys.stdout.flush()
     finally:
