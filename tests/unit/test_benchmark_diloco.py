@@ -92,3 +92,26 @@ def test_diloco_h50_runs_on_where_its_wall_clock_is_the_target():
                                              Cell(clean, "diloco-h50", "lossy", 11)}
     records.append(kept(slow, "diloco-h50", 500 * diloco.REACH))
     assert Cell(slow, "diloco-h50", "lossy", 11) in diloco.recorded(records, 500)
+
+
+def test_the_largest_lag_is_the_widest_spread_of_one_step_between_workers():
+    import numpy as np
+
+    steps = np.array([0, 0, 1, 1, 2, 2, 0, 1, 2], dtype=float)  # three workers, rank by rank
+    times = np.array([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 1.5, 7.5, 5.5])
+    assert diloco.largest_lag(steps, times) == 4.5  # step 1: 3.0 against 7.5
+    assert math.isnan(diloco.largest_lag(steps[:0], times[:0]))
+
+
+def test_a_streaming_wait_is_reported_with_what_the_call_had_to_fit_in(tmp_path):
+    """The streaming target names the longest outer all-reduce and the workers' largest gap,
+    from the runs that recorded them (records from before carry neither)."""
+    old = outcome("streaming", "gloo", 10.0, math.nan, 200.0, [(200.0, 10.0)])
+    new = Outcome(Cell("10mbit-50ms-1%", "streaming", "gloo", 12), "ok", "", 10.1, math.nan,
+                  190.0, 0.0, [(190.0, 10.1)], outer_call=1.25, worker_lag=3.5)
+    for result in (old, new):
+        record(result, "2026-11-28T10:00:00+00:00", 300.0).save(tmp_path)
+    text = diloco.report(diloco.load_records(tmp_path), 500, 25, "", ["10mbit-50ms-1%"])
+    line = next(x for x in text.splitlines() if x.startswith("- Streaming DiLoCo"))
+    assert "0.500 s over 2 runs: **missed**" in line
+    assert "longest outer all-reduce 1.25 s" in line and "at one step 3.50 s (1 of" in line
