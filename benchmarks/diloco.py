@@ -196,6 +196,13 @@ def load_records(directory: Path) -> list[Record]:
                                           order[r.outcome.cell.collective], r.outcome.cell.seed))
 
 
+def finite_max(values: np.ndarray) -> float:
+    """The largest finite value (NaN marks the steps a figure is missing from); NaN if none."""
+    import numpy as np
+
+    return float(np.nanmax(values)) if np.isfinite(values).any() else math.nan
+
+
 def largest_lag(steps: np.ndarray, times: np.ndarray) -> float:
     """The largest spread of `times` (the workers' step events) among those of one step number:
     how far the workers drifted apart, which an overlapped outer all-reduce must absorb."""
@@ -232,15 +239,16 @@ def run_cell(cell: Cell, steps: int, eval_every: int, timeout: float,
     if run is None or not run.steps:
         return outcome
     start = run.training_t if run.training_t is not None else min(s.t for s in run.steps)
-    equal = run.column("step") < steps  # the steps up to the equal ones (numbered from 0)
+    numbers = run.column("step")
+    equal = numbers < steps  # the steps up to the equal ones (numbered from 0)
+    times = run.column("t")[equal]
     sent = float(np.nansum(run.column("bytes_sent", 0.0)[equal])) / WORLD
     outcome.bytes_sent = sent if sent > 0 else math.nan  # gloo's stats count no bytes
-    outcome.training_seconds = float(run.column("t")[equal].max()) - start
-    waits = run.column("outer_wait_seconds")[equal]
-    outcome.outer_wait = float(np.nanmax(waits)) if np.isfinite(waits).any() else math.nan
-    calls = run.column("allreduce_seconds")[equal & (run.column("outer_updates", 0.0) > 0)]
-    outcome.outer_call = float(np.nanmax(calls)) if np.isfinite(calls).any() else math.nan
-    outcome.worker_lag = largest_lag(run.column("step")[equal], run.column("t")[equal])
+    outcome.training_seconds = float(times.max()) - start
+    outcome.outer_wait = finite_max(run.column("outer_wait_seconds")[equal])
+    outcome.outer_call = finite_max(
+        run.column("allreduce_seconds")[equal & (run.column("outer_updates", 0.0) > 0)])
+    outcome.worker_lag = largest_lag(numbers[equal], times)
     evaluated: dict[int, list[tuple[float, float]]] = {}
     for step in run.steps:
         if "perplexity" in step.evaluation:
