@@ -272,10 +272,11 @@ def test_ring_retransmits_and_the_straggler_wait_show_in_the_metrics(tmp_path: P
     stragglers = """  overrides:
     - {worker: 3, straggler: {fixed: 50ms}}"""
     # 3% loss, not more: a ring waits on its slowest stream, and a segment lost again and again
-    # doubles TCP's retransmission timeout each time (0.2 s, then 0.4, 0.8, ...). A ring of four
-    # over this fallback's loss (4810 floats a call, 300 calls) had 51 calls over 1 s at 10%
-    # (max 3.4 s; CI saw a step of 24.6 s and a 30 s stall) and none at 3% (max 0.7 s); 3% of
-    # the ~2900 data segments of 30 steps leaves no retransmission with odds below e^-80.
+    # doubles TCP's retransmission timeout each time. A ring of four over this fallback's loss,
+    # 300 calls of this model's 4810 floats (benchmarks/results/ring-stalls.md), had 49 calls
+    # over 1 s at 10%, the slowest 24.5 s (CI saw a 30 s stall here), and none at 3%, the
+    # slowest 0.66 s; 3% of the ~2900 data segments of 30 steps leaves no retransmission with
+    # odds below e^-80.
     text = scenario("ring, timeout: 120", loss="3%", steps=30).replace("STRATEGY", "gradient")
     text = text.replace(f"workers: {WORLD}", f"workers:\n  count: {WORLD}\n{stragglers}")
     _, scraper = run(tmp_path, text)

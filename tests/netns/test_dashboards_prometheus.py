@@ -90,7 +90,8 @@ topology:
 job: {model: mlp, steps: 30, batch: 32, micro_batches: 2, strategy: sharded, eval_every: 10,
       drop_compute: {threshold: 50ms}}
 # The resync crosses link 0-1 over TCP, whose retransmission timeout grows and doubles at 20%
-# loss each way (a ring of four there had calls of 48-77 s): 120 s, not the default 30.
+# loss each way (a ring of four, every link so: 4 of 23 calls over 30 s, ring-stalls.md):
+# 120 s, not the default 30; the resync's few messages a step are what makes 20% bearable.
 collective: {kind: lossy, deadline_initial: 0.05, deadline_floor: 0.05, deadline_ceiling: 0.05,
              straggler_timeout: 0.1, resync_every: 3, timeout: 120}
 metrics: {drift_every: 2, linger: 60s}  # not 3: a resync (every 3rd step) evens the copies
