@@ -32,6 +32,7 @@ from benchmarks.collectives.plan import hopeless, plan
 from benchmarks.collectives.results import report, targets
 from benchmarks.collectives.runner import MTU, REPO, run_cell, shape
 from benchmarks.report import Run
+from netem.profile import DEFAULT_LIMIT
 
 RESULTS = REPO / "benchmarks" / "results" / "collectives.md"
 GRID_RESULTS = REPO / "benchmarks" / "results" / "collectives-moshpit-grid.md"
@@ -74,7 +75,18 @@ def main() -> None:
     parser.add_argument("--congestion", default=TCP_CONGESTION,
                         help="TCP congestion control of the ring's and Moshpit's sockets "
                         "(default %(default)s; one of the kernel's available ones)")
+    parser.add_argument("--queue-limit", type=int, default=DEFAULT_LIMIT,
+                        help="--grid: packets each shaped link's queue holds "
+                        "(default %(default)s, netem's)")
+    parser.add_argument("--no-idle-restart", action="store_true",
+                        help="--grid: TCP keeps its congestion window over an idle pause "
+                        "(net.ipv4.tcp_slow_start_after_idle=0 in every namespace; the "
+                        "kernel's default restarts it)")
     args = parser.parse_args()
+    if not args.grid and (args.no_idle_restart or args.queue_limit != DEFAULT_LIMIT):
+        parser.error("--queue-limit and --no-idle-restart go with --grid")
+    if not 1 <= args.queue_limit <= 10**6:
+        parser.error(f"--queue-limit: expected 1..1000000 packets, got {args.queue_limit}")
     if args.grid and args.kinds == parser.get_default("kinds"):
         args.kinds = ",".join(GRID_KINDS)
     kinds = [kind.strip() for kind in args.kinds.split(",") if kind.strip()]
@@ -107,7 +119,9 @@ def main() -> None:
     if args.congestion not in available:
         parser.error(f"--congestion: expected one of {', '.join(available)} (this kernel's), "
                      f"got {args.congestion!r}")
-    groups = [(rate, loss, [replace(cell, congestion=args.congestion)
+    groups = [(rate, loss, [replace(cell, congestion=args.congestion,
+                                    queue_limit=args.queue_limit,
+                                    idle_restart=not args.no_idle_restart)
                             for cell in cells])
               for rate, loss, cells in plan(args.quick, kinds, sizes, rates, losses, grid,
                                             args.grid_rate * 1e6)]
@@ -122,7 +136,8 @@ def main() -> None:
             logs.mkdir(parents=True, exist_ok=True)
             for rate, loss, cells in groups:
                 with Lab(cells[0].world, mtu=MTU) as lab:
-                    shape(lab, rate, loss, cells[0].uplinks)
+                    shape(lab, rate, loss, cells[0].uplinks, cells[0].queue_limit,
+                          cells[0].idle_restart)
                     for cell in cells:
                         earlier = hopeless(cell, outcomes)
                         if earlier is not None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from netem.profile import DEFAULT_LIMIT
 from testbed.collectives.grid import Grid
 from testbed.scenario.topology import Topology
 
@@ -52,6 +53,10 @@ class Cell:
     world: int = WORLD
     uplinks: bool = False  # the rate on every uplink too
     congestion: str = TCP_CONGESTION  # ring's and Moshpit's, per socket (--congestion)
+    queue_limit: int = DEFAULT_LIMIT  # packets each shaped link's queue holds (--queue-limit)
+    # TCP's congestion window restarts after an idle retransmission timeout (the kernel's
+    # default, net.ipv4.tcp_slow_start_after_idle); --no-idle-restart turns it off
+    idle_restart: bool = True
 
     @property
     def bytes(self) -> int:
@@ -118,6 +123,10 @@ class Outcome:
     tcp: dict[str, int] = field(default_factory=dict)
     tcp_default: str = ""
     counters: dict[str, float] = field(default_factory=dict)  # summed over ranks, timed calls
+    # Moshpit: per round, the slowest peer's (seconds, roll call's, reduce-scatter's), averaged
+    # over the timed calls; and what a call spent outside its rounds (the slowest peer's)
+    round_seconds: list[tuple[float, float, float]] = field(default_factory=list)
+    outside_rounds: float = math.nan
     cpu_busy: float = math.nan  # the host's CPUs during the timed calls: 1 - idle share
     note: str = ""
     wall: float = 0.0

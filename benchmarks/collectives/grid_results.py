@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from benchmarks.collectives.cells import (
     GRID_GROUP,
+    GRID_RATE,
     SETUP_NUMEL,
     Outcome,
     congestion_of,
@@ -14,6 +15,7 @@ from benchmarks.collectives.cells import (
 )
 from benchmarks.collectives.inputs import TOLERANCE
 from benchmarks.report import Run
+from netem.profile import DEFAULT_LIMIT
 from testbed.collectives.grid import Grid
 
 
@@ -40,11 +42,48 @@ def grid_targets(outcomes: list[Outcome]) -> list[tuple[bool | None, str]]:
     return lines
 
 
+def round_bound(o: Outcome, axis: int) -> float:
+    """Seconds the bandwidth bound allows one round: 2(g-1)/g tensors at the rate, side g
+    (half of it in each phase)."""
+    side = Grid.for_world(o.cell.world).sides[axis]
+    return 2 * (side - 1) / side * o.cell.bytes * 8 / o.cell.rate
+
+
+def where_time_goes(outcomes: list[Outcome]) -> list[str]:
+    """Per cell: Moshpit's rounds against their own bounds and what a call spent outside
+    them; for every cell, what TCP did per call and peer in the peers' namespaces."""
+    lines = []
+    for o in outcomes:
+        if o.status != "ok":
+            continue
+        where = f"{o.cell.kind}, {o.cell.world} peers, {size_name(o.cell.numel)}"
+        parts = []
+        if o.round_seconds:
+            sides = Grid.for_world(o.cell.world).sides
+            parts += [f"round {i + 1} (a group of {sides[i]}) {seconds:.3g} s against its "
+                      f"{round_bound(o, i):.3g} s ({round_bound(o, i) / seconds:.2f}): roll call "
+                      f"{roll_call * 1e3:.0f} ms, reduce-scatter {scatter:.3g} s, all-gather "
+                      f"{seconds - roll_call - scatter:.3g} s"
+                      for i, (seconds, roll_call, scatter) in enumerate(o.round_seconds)]
+            parts.append(f"outside the rounds {o.outside_rounds * 1e3:.0f} ms")
+        calls = len(o.seconds) * o.cell.world
+        sent = o.counters.get("netns_sent_segments", 0)
+        parts.append(
+            f"per call and peer {sent / calls:,.0f} segments sent, "
+            f"{o.counters.get('netns_retransmitted_segments', 0) / calls:.1f} retransmitted, "
+            f"{o.counters.get('netns_timeouts', 0) / calls:.2f} retransmission timeouts, "
+            f"{o.counters.get('netns_loss_probes', 0) / calls:.2f} tail loss probes")
+        lines.append(f"- {where}: " + "; ".join(parts))
+    return lines
+
+
 def grid_report(outcomes: list[Outcome], run: Run, note: str = "") -> str:
     rows = ["| collective | peers | grid | rate | size | bound | time per all-reduce | of the "
             "bound | exact | slowest call | call memory | with set-up | host CPU busy |",
             "| --- | ---: | --- | ---: | --- | ---: | ---: | ---: | --- | ---: | ---: | ---: "
             "| ---: |"]
+    limit = outcomes[0].cell.queue_limit if outcomes else DEFAULT_LIMIT
+    idle_restart = outcomes[0].cell.idle_restart if outcomes else True
     for o in outcomes:
         sides = ("x".join(map(str, Grid.for_world(o.cell.world).sides))
                  if o.cell.kind == "moshpit" else "ring")
@@ -78,12 +117,28 @@ def grid_report(outcomes: list[Outcome], run: Run, note: str = "") -> str:
         "they begin) over the resident size they began at, once the set-up call had made "
         "the connections and threads; `with set-up` is ru_maxrss after the calls over before "
         "the set-up call, the collective already built: it adds those fixed costs, a few MB "
-        "whatever the tensor.",
+        f"whatever the tensor. Each shaped link queues up to {limit} packets (`--queue-limit`;"
+        f" {limit * 1514 * 8 / (outcomes[0].cell.rate if outcomes else GRID_RATE) * 1e3:.0f} "
+        "ms of full frames at the rate); TCP's congestion window "
+        + ("restarts after an idle retransmission timeout (the kernel's default)"
+           if idle_restart else "survives idle pauses (`--no-idle-restart`: "
+           "net.ipv4.tcp_slow_start_after_idle=0)") + ".",
         "",
         *rows,
         "",
         "### Targets",
         "",
         *[f"- {verdict(ok)}: {text}" for ok, text in grid_targets(outcomes)],
+        "",
+        "### Where a call's time goes",
+        "",
+        "The timed calls' averages. A round's time is its slowest peer's, from the roll call to "
+        "the last slice of its all-gather, against the bound of its group's all-reduce alone "
+        "(half of it for each phase), with that peer's phases; "
+        "outside the rounds is the rest of the call (the slowest peer's). The TCP counters are "
+        "the peers' namespaces' (/proc/net/snmp, /proc/net/netstat), differences across each "
+        "call: a retransmission here follows a drop at a full queue (the links lose nothing).",
+        "",
+        *where_time_goes(outcomes),
         "",
     ])

@@ -18,6 +18,7 @@ from typing import Any
 
 from benchmarks.collectives.cells import LOSSY_PACE_CAP, PACE, WORLD, Cell, Outcome
 from benchmarks.collectives.inputs import offsets, spread
+from netem.profile import DEFAULT_LIMIT
 from testbed.transport.auth import write_key
 
 REPO = Path(__file__).resolve().parents[2]
@@ -57,13 +58,21 @@ def options_for(cell: Cell, lab, port: int, key_file: Path) -> list[dict[str, An
     raise ValueError(cell.kind)
 
 
-def shape(lab, rate: float | None, loss: float, uplinks: bool = False) -> None:
+def shape(lab, rate: float | None, loss: float, uplinks: bool = False,
+          limit: int = DEFAULT_LIMIT, idle_restart: bool = True) -> None:
+    """Every downlink (and with `uplinks` every uplink) at `rate` with `loss`, its queue
+    `limit` packets; `idle_restart`: each host's net.ipv4.tcp_slow_start_after_idle."""
     from netem import apply
     from netem.profile import LinkProfile
 
+    for host in lab.hosts:
+        written = lab.run(host, ["sysctl", "-qw",
+                                 f"net.ipv4.tcp_slow_start_after_idle={int(idle_restart)}"])
+        if written.returncode:
+            raise OSError(f"{host.netns}: sysctl: {written.stderr.strip()}")
     if rate is None and not loss:
         return
-    spec: dict[str, Any] = {}
+    spec: dict[str, Any] = {"limit": limit}
     if rate is not None:
         spec["rate"] = f"{int(rate)}bit"
     if loss:
@@ -72,8 +81,8 @@ def shape(lab, rate: float | None, loss: float, uplinks: bool = False) -> None:
     for host in lab.hosts:  # every host's downlink: the switch port towards it
         apply(host.switch_port, profile, netns=lab.switch, backend="fallback")
         if uplinks and rate is not None:  # and its uplink: its own port's egress
-            apply(host.iface, LinkProfile.parse({"rate": spec["rate"]}), netns=host.netns,
-                  backend="fallback")
+            apply(host.iface, LinkProfile.parse({"rate": spec["rate"], "limit": limit}),
+                  netns=host.netns, backend="fallback")
 
 
 def run_cell(lab, cell: Cell, port: int, logs: Path) -> Outcome:
@@ -182,6 +191,15 @@ def run_cell(lab, cell: Cell, port: int, logs: Path) -> Outcome:
                     else:
                         counters[key] = counters.get(key, 0.0) + value
         outcome.counters = counters
+        if all(line.get("rounds") for got in timed for line in got.values()):
+            outcome.round_seconds = [  # the slowest peer's round, its phases with it
+                tuple(sum(column) / len(timed) for column in zip(*(
+                    max((line["rounds"][i] for line in got.values()), key=lambda r: r[0])
+                    for got in timed), strict=True))
+                for i in range(len(timed[0][0]["rounds"]))]
+            outcome.outside_rounds = sum(
+                max(line["seconds"] - sum(r[0] for r in line["rounds"])
+                    for line in got.values()) for got in timed) / len(timed)
         outcome.exact = all(line["exact"] for line in done.values())
         # the worker reports |result - mean| / |own input - mean|; own input - mean is
         # offsets[rank] * noise, so this is the error over the inputs' rms distance to the mean

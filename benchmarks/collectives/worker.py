@@ -18,6 +18,14 @@ from typing import Any
 from benchmarks import machine
 from benchmarks.collectives.cells import SETUP_NUMEL
 from benchmarks.collectives.inputs import compare, make_input
+from testbed.transport.counters import namespace_counters
+
+# This namespace's TCP counters, per call: what the queues cost (retransmissions after a
+# drop, retransmission timeouts, tail loss probes) beside the segments sent.
+NETWORK_COUNTERS = {"tcp_out_segs": "netns_sent_segments",
+                    "tcp_retrans_segs": "netns_retransmitted_segments",
+                    "tcpext_tcp_timeouts": "netns_timeouts",
+                    "tcpext_tcp_loss_probes": "netns_loss_probes"}
 
 
 def resident_kb(reset_peak: bool = False) -> int | None:
@@ -81,17 +89,22 @@ def worker(spec: dict[str, Any]) -> None:
                 steady_kb = resident_kb(reset_peak=True)
             tensor = (mine[:SETUP_NUMEL] if spec["setup_call"] and call == 0
                       else mine[:spec["warmup_numel"]] if call < spec["warmups"] else mine)
+            counted = namespace_counters()
             started = time.monotonic()
             result, stats = collective.allreduce(tensor, call)
             seconds = time.monotonic() - started
+            now = namespace_counters()
             extra = {key: value for key, value in stats.extra.items()
                      if key in ("tcp_retransmits", "datagrams_lost", "rcvbuf_drops",
                                 "chunks_missing", "datagrams_late", "deadline_seconds",
                                 "broadcast_deadline_seconds", "rounds_incomplete",
                                 "gather_seconds", "broadcast_seconds")}
+            extra |= {name: float(now.get(key, 0) - counted.get(key, 0))
+                      for key, name in NETWORK_COUNTERS.items()}
             say(event="call", call=call, seconds=seconds, coverage=stats.coverage,
                 bytes_sent=stats.bytes_sent, peers_missing=list(stats.peers_missing),
-                extra=extra)
+                rounds=[[r.seconds, r.roll_call_seconds, r.scatter_seconds]
+                        for r in getattr(stats, "rounds", ())], extra=extra)
         rss_after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         peak_kb = machine.status_kb("VmHWM")  # since the reset
         exact, error = compare(result, mean, mine) if result is not None else (False, math.nan)

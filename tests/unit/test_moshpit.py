@@ -108,6 +108,9 @@ def test_exact_global_mean_after_d_rounds(swarm, world, group_size, sides):
         assert stats.peers_missing == ()
         assert [r.round_index for r in stats.rounds] == list(range(len(sides)))
         assert all(r.present == r.group and r.coverage == 1.0 for r in stats.rounds)
+        assert all(0 < r.roll_call_seconds and 0 < r.scatter_seconds
+                   and r.roll_call_seconds + r.scatter_seconds < r.seconds
+                   for r in stats.rounds), stats.rounds  # the phases in the round's order
         assert stats.bytes_sent > NUMEL * 4 / 2 and stats.bytes_received > NUMEL * 4 / 2, rank
     torch.testing.assert_close(inputs, before, rtol=0, atol=0)  # the inputs are untouched
 

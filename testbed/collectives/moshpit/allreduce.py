@@ -5,6 +5,7 @@ sends its averaged slice to the others. What comes lands where it belongs as it 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +28,7 @@ class GroupAverage:
     present: tuple[int, ...]
     coverage: float
     weight: float
+    scatter_seconds: float  # the reduce-scatter's, its sends finished; the rest is the gather's
 
 
 def average_in_group(channel: Channel, group: Group, work: torch.Tensor, weight: float,
@@ -42,7 +44,7 @@ def average_in_group(channel: Channel, group: Group, work: torch.Tensor, weight:
     # the contributions counted per block (a partner cut off mid-way counts where its
     # blocks came). Peers left out hear it at once from the digest of an empty message
     # (not waited for: it carries none of `work`, and its peer may well be dead).
-    until = schedule.scatter(position)
+    until, started = schedule.scatter(position), time.monotonic()
     reducer = Reducer(own)  # our own contribution is in every block
     scatter = {peer: reducer.slot(group.digest) for peer in partners}
     channel.open(Phase.SCATTER, scatter)
@@ -59,7 +61,7 @@ def average_in_group(channel: Channel, group: Group, work: torch.Tensor, weight:
 
     # All-gather, from those who answered (the others are presumed gone): each member's
     # averaged slice is copied over its slice of `work` as it is read.
-    until = schedule.gather(position)
+    until, scattered = schedule.gather(position), time.monotonic()
     gather = {peer: Slot(slices[peer], group.digest) for peer in answered}
     channel.open(Phase.GATHER, gather)
     sends = {peer: channel.send(peer, Kind.PARAMETER, Phase.GATHER, group.digest, own)
@@ -76,4 +78,5 @@ def average_in_group(channel: Channel, group: Group, work: torch.Tensor, weight:
         present=tuple(sorted({channel.rank, *gathered})),
         coverage=((averaged * (1 + sum(shares.values())) + 1 - averaged)
                   / len(group.grid_group)),
-        weight=averaged * pooled + (1 - averaged) * weight)
+        weight=averaged * pooled + (1 - averaged) * weight,
+        scatter_seconds=scattered - started)

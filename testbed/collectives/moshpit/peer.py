@@ -196,12 +196,14 @@ class Moshpit(CollectiveBase):
                 self._inbox.restarted(peer)  # not the predecessor whose connection closed
         channel = Channel(self.rank, step, seq, alive, self._outbox, self._inbox, schedule.end)
         group = roll_call(channel, grid_group, weight, schedule.roll_call(position))
+        called = time.monotonic()
         result = average_in_group(channel, group, work, weight, schedule, position)
         now_sent, now_received = self._bytes()
         stats = RoundStats(
             round_index=round_index, axis=round_index % self.grid.dims, group=tuple(grid_group),
             present=result.present, missing=tuple(p for p in grid_group if p not in result.present),
-            seconds=time.monotonic() - start, bytes_sent=now_sent - sent,
+            seconds=time.monotonic() - start, roll_call_seconds=called - start,
+            scatter_seconds=result.scatter_seconds, bytes_sent=now_sent - sent,
             bytes_received=now_received - received, coverage=result.coverage)
         return stats, result.weight
 

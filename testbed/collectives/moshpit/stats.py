@@ -11,7 +11,8 @@ from testbed.collectives.base import AllReduceStats
 class RoundStats:
     """One round as this peer saw it. `present`: members whose contribution made it into this
     peer's result in both phases; `coverage`: the fraction of (group member, element) pairs
-    that did."""
+    that did. `seconds` is the roll call's, then the reduce-scatter's, then the all-gather's
+    (the rest): where a slow round lost its time."""
 
     round_index: int
     axis: int
@@ -19,6 +20,8 @@ class RoundStats:
     present: tuple[int, ...]
     missing: tuple[int, ...]
     seconds: float
+    roll_call_seconds: float
+    scatter_seconds: float
     bytes_sent: int
     bytes_received: int
     coverage: float
