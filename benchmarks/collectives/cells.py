@@ -127,6 +127,7 @@ class Outcome:
     # over the timed calls; and what a call spent outside its rounds (the slowest peer's)
     round_seconds: list[tuple[float, float, float]] = field(default_factory=list)
     outside_rounds: float = math.nan
+    start_skew: float = math.nan  # seconds from the first peer's start of a call to the last's
     cpu_busy: float = math.nan  # the host's CPUs during the timed calls: 1 - idle share
     note: str = ""
     wall: float = 0.0

@@ -57,7 +57,7 @@ def where_time_goes(outcomes: list[Outcome]) -> list[str]:
         if o.status != "ok":
             continue
         where = f"{o.cell.kind}, {o.cell.world} peers, {size_name(o.cell.numel)}"
-        parts = []
+        parts = [f"the peers began a call within {o.start_skew * 1e3:.0f} ms of each other"]
         if o.round_seconds:
             sides = Grid.for_world(o.cell.world).sides
             parts += [f"round {i + 1} (a group of {sides[i]}) {seconds:.3g} s against its "
@@ -134,7 +134,8 @@ def grid_report(outcomes: list[Outcome], run: Run, note: str = "") -> str:
         "",
         "The timed calls' averages. A round's time is its slowest peer's, from the roll call to "
         "the last slice of its all-gather, against the bound of its group's all-reduce alone "
-        "(half of it for each phase), with that peer's phases; "
+        "(half of it for each phase), with that peer's phases (a roll call waits for the group's "
+        "last member to begin the call); "
         "outside the rounds is the rest of the call (the slowest peer's). The TCP counters are "
         "the peers' namespaces' (/proc/net/snmp, /proc/net/netstat), differences across each "
         "call: a retransmission here follows a drop at a full queue (the links lose nothing).",

@@ -191,6 +191,9 @@ def run_cell(lab, cell: Cell, port: int, logs: Path) -> Outcome:
                     else:
                         counters[key] = counters.get(key, 0.0) + value
         outcome.counters = counters
+        outcome.start_skew = sum(  # CLOCK_MONOTONIC: one clock for every namespace
+            max(line["started"] for line in got.values())
+            - min(line["started"] for line in got.values()) for got in timed) / len(timed)
         if all(line.get("rounds") for got in timed for line in got.values()):
             outcome.round_seconds = [  # the slowest peer's round, its phases with it
                 tuple(sum(column) / len(timed) for column in zip(*(

@@ -101,7 +101,8 @@ def worker(spec: dict[str, Any]) -> None:
                                 "gather_seconds", "broadcast_seconds")}
             extra |= {name: float(now.get(key, 0) - counted.get(key, 0))
                       for key, name in NETWORK_COUNTERS.items()}
-            say(event="call", call=call, seconds=seconds, coverage=stats.coverage,
+            say(event="call", call=call, started=started, seconds=seconds,
+                coverage=stats.coverage,
                 bytes_sent=stats.bytes_sent, peers_missing=list(stats.peers_missing),
                 rounds=[[r.seconds, r.roll_call_seconds, r.scatter_seconds]
                         for r in getattr(stats, "rounds", ())], extra=extra)

@@ -108,7 +108,7 @@ def test_exact_global_mean_after_d_rounds(swarm, world, group_size, sides):
         assert stats.peers_missing == ()
         assert [r.round_index for r in stats.rounds] == list(range(len(sides)))
         assert all(r.present == r.group and r.coverage == 1.0 for r in stats.rounds)
-        assert all(0 < r.roll_call_seconds and 0 < r.scatter_seconds
+        assert all(r.roll_call_seconds > 0 and r.scatter_seconds > 0
                    and r.roll_call_seconds + r.scatter_seconds < r.seconds
                    for r in stats.rounds), stats.rounds  # the phases in the round's order
         assert stats.bytes_sent > NUMEL * 4 / 2 and stats.bytes_received > NUMEL * 4 / 2, rank
