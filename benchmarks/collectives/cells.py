@@ -128,6 +128,7 @@ class Outcome:
     round_seconds: list[tuple[float, float, float]] = field(default_factory=list)
     outside_rounds: float = math.nan
     start_skew: float = math.nan  # seconds from the first peer's start of a call to the last's
+    after_last_start: float = math.nan  # seconds from the last peer's start to the last end
     cpu_busy: float = math.nan  # the host's CPUs during the timed calls: 1 - idle share
     note: str = ""
     wall: float = 0.0

@@ -57,7 +57,9 @@ def where_time_goes(outcomes: list[Outcome]) -> list[str]:
         if o.status != "ok":
             continue
         where = f"{o.cell.kind}, {o.cell.world} peers, {size_name(o.cell.numel)}"
-        parts = [f"the peers began a call within {o.start_skew * 1e3:.0f} ms of each other"]
+        parts = [f"the peers began a call within {o.start_skew * 1e3:.0f} ms of each other; "
+                 f"from the last one's start to the last end {o.after_last_start:.3g} s "
+                 f"({o.cell.bound / o.after_last_start:.2f} of the bound)"]
         if o.round_seconds:
             sides = Grid.for_world(o.cell.world).sides
             parts += [f"round {i + 1} (a group of {sides[i]}) {seconds:.3g} s against its "
@@ -132,13 +134,16 @@ def grid_report(outcomes: list[Outcome], run: Run, note: str = "") -> str:
         "",
         "### Where a call's time goes",
         "",
-        "The timed calls' averages. A round's time is its slowest peer's, from the roll call to "
-        "the last slice of its all-gather, against the bound of its group's all-reduce alone "
-        "(half of it for each phase), with that peer's phases (a roll call waits for the group's "
-        "last member to begin the call); "
-        "outside the rounds is the rest of the call (the slowest peer's). The TCP counters are "
-        "the peers' namespaces' (/proc/net/snmp, /proc/net/netstat), differences across each "
-        "call: a retransmission here follows a drop at a full queue (the links lose nothing).",
+        "The timed calls' averages. The table's time is the slowest peer's from its own start, "
+        "so it counts how long the first peer to begin waited for the last (the runner tells "
+        "the peers to begin one after another, on two cores); from the last peer's start to "
+        "the last end is the call once every peer is in. A round's time is its slowest "
+        "peer's, from the roll call to the last slice of its all-gather, against the bound "
+        "of its group's all-reduce alone (half of it for each phase), with that peer's phases "
+        "(a roll call waits for the group's last member to begin the round); outside the "
+        "rounds is the rest of the call (the slowest peer's). The TCP counters are the peers' "
+        "namespaces' (/proc/net/snmp, /proc/net/netstat), differences across each call: a "
+        "retransmission here follows a drop at a full queue (the links lose nothing).",
         "",
         *where_time_goes(outcomes),
         "",

@@ -191,9 +191,12 @@ def run_cell(lab, cell: Cell, port: int, logs: Path) -> Outcome:
                     else:
                         counters[key] = counters.get(key, 0.0) + value
         outcome.counters = counters
-        outcome.start_skew = sum(  # CLOCK_MONOTONIC: one clock for every namespace
-            max(line["started"] for line in got.values())
-            - min(line["started"] for line in got.values()) for got in timed) / len(timed)
+        starts = [[line["started"] for line in got.values()] for got in timed]
+        ends = [[line["started"] + line["seconds"] for line in got.values()] for got in timed]
+        # CLOCK_MONOTONIC: one clock for every namespace
+        outcome.start_skew = sum(max(s) - min(s) for s in starts) / len(timed)
+        outcome.after_last_start = sum(max(e) - max(s) for s, e in zip(starts, ends,
+                                                                       strict=True)) / len(timed)
         if all(line.get("rounds") for got in timed for line in got.values()):
             outcome.round_seconds = [  # the slowest peer's round, its phases with it
                 tuple(sum(column) / len(timed) for column in zip(*(

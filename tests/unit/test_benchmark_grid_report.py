@@ -28,12 +28,13 @@ def section(text: str) -> list[str]:
 def test_each_round_is_set_against_its_own_groups_bound():
     moshpit = outcome("moshpit")
     moshpit.round_seconds, moshpit.outside_rounds = [(0.6, 0.01, 0.3), (0.4, 0.002, 0.2)], 0.05
-    moshpit.start_skew = 0.008
+    moshpit.start_skew, moshpit.after_last_start = 0.008, 1.0
     # 4x2: a group of four receives 1.5 tensors of 4 MB, a group of two 1, at 12.5 MB/s
     assert round(round_bound(moshpit, 0), 6) == 0.48 and round(round_bound(moshpit, 1), 6) == 0.32
     first, ring = section(grid_report([moshpit, outcome("ring")],
                                       Run.start("benchmarks.collectives")))
     assert first == ("- moshpit, 8 peers, 1M: the peers began a call within 8 ms of each other; "
+                     "from the last one's start to the last end 1 s (0.80 of the bound); "
                      "round 1 (a group of 4) 0.6 s against its 0.48 s "
                      "(0.80): roll call 10 ms, reduce-scatter 0.3 s, all-gather 0.29 s; round 2 "
                      "(a group of 2) 0.4 s against its 0.32 s (0.80): roll call 2 ms, "
@@ -41,7 +42,8 @@ def test_each_round_is_set_against_its_own_groups_bound():
                      "the rounds 50 ms; per call and peer 1,000 segments sent, 5.0 "
                      "retransmitted, 0.25 retransmission timeouts, 0.50 tail loss probes")
     assert ring.startswith("- ring, 8 peers, 1M: the peers began a call within nan ms of each "
-                           "other; per call and peer 1,000 segments sent")
+                           "other; from the last one's start to the last end nan s (nan of the "
+                           "bound); per call and peer 1,000 segments sent")
 
 
 def test_the_header_says_the_queue_and_whether_the_window_restarts():
