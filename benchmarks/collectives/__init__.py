@@ -9,7 +9,10 @@ process in its own namespace; the parent starts them together for each call (a l
 stdin), so no call pays for another's start. Writes benchmarks/results/collectives.md.
 `--grid` runs Moshpit on a grid instead: 8 and 16 peers in groups of four, every peer's
 downlink and uplink at 100 Mbit/s, against the bound of one group all-reduce per grid axis
-(benchmarks/results/collectives-moshpit-grid.md).
+(benchmarks/results/collectives-moshpit-grid.md), saying where a call's time goes (each round
+and its phases, TCP's counters); `--queue-limit` and `--no-idle-restart` change the grid's
+queues and TCP's restart after idle, to measure what they cost.
 
-    .venv/bin/python -m benchmarks.collectives [--quick] [--grid] [--congestion ALGO] [--out PATH]
+    .venv/bin/python -m benchmarks.collectives [--quick] [--grid [WORLDS]] [--congestion ALGO]
+        [--queue-limit PACKETS] [--no-idle-restart] [--out PATH]
 """
