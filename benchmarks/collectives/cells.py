@@ -43,6 +43,11 @@ PACE = 1.0
 LOSSY_PACE_CAP = 400e6
 
 
+def all_reduce_share(members: int) -> float:
+    """The tensors' worth each of `members` receives in a bandwidth-optimal all-reduce."""
+    return 2 * (members - 1) / members
+
+
 @dataclass(frozen=True)
 class Cell:
     kind: str
@@ -67,8 +72,8 @@ class Cell:
         """The tensors' worth each worker receives at least: 2(N-1)/N; for Moshpit one group
         all-reduce per axis of its grid (groups of four), 2(g-1)/g per side g."""
         if self.kind == "moshpit":
-            return sum(2 * (side - 1) / side for side in Grid.for_world(self.world).sides)
-        return 2 * (self.world - 1) / self.world
+            return sum(map(all_reduce_share, Grid.for_world(self.world).sides))
+        return all_reduce_share(self.world)
 
     @property
     def bound(self) -> float | None:

@@ -8,6 +8,7 @@ from benchmarks.collectives.cells import (
     GRID_RATE,
     SETUP_NUMEL,
     Outcome,
+    all_reduce_share,
     congestion_of,
     show,
     size_name,
@@ -46,7 +47,7 @@ def round_bound(o: Outcome, axis: int) -> float:
     """Seconds the bandwidth bound allows one round: 2(g-1)/g tensors at the rate, side g
     (half of it in each phase)."""
     side = Grid.for_world(o.cell.world).sides[axis]
-    return 2 * (side - 1) / side * o.cell.bytes * 8 / o.cell.rate
+    return all_reduce_share(side) * o.cell.bytes * 8 / o.cell.rate
 
 
 def where_time_goes(outcomes: list[Outcome]) -> list[str]:

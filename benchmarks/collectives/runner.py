@@ -61,15 +61,16 @@ def options_for(cell: Cell, lab, port: int, key_file: Path) -> list[dict[str, An
 def shape(lab, rate: float | None, loss: float, uplinks: bool = False,
           limit: int = DEFAULT_LIMIT, idle_restart: bool = True) -> None:
     """Every downlink (and with `uplinks` every uplink) at `rate` with `loss`, its queue
-    `limit` packets; `idle_restart`: each host's net.ipv4.tcp_slow_start_after_idle."""
+    `limit` packets; without `idle_restart`, net.ipv4.tcp_slow_start_after_idle=0 on every
+    host (a new namespace starts with the kernel's default, 1)."""
     from netem import apply
     from netem.profile import LinkProfile
 
-    for host in lab.hosts:
-        written = lab.run(host, ["sysctl", "-qw",
-                                 f"net.ipv4.tcp_slow_start_after_idle={int(idle_restart)}"])
-        if written.returncode:
-            raise OSError(f"{host.netns}: sysctl: {written.stderr.strip()}")
+    if not idle_restart:
+        for host in lab.hosts:
+            written = lab.run(host, ["sysctl", "-qw", "net.ipv4.tcp_slow_start_after_idle=0"])
+            if written.returncode:
+                raise OSError(f"{host.netns}: sysctl: {written.stderr.strip()}")
     if rate is None and not loss:
         return
     spec: dict[str, Any] = {"limit": limit}
