@@ -12,16 +12,16 @@ demo: bootstrap
 measure: bootstrap
 	$(VENV)/bin/testbed demo
 
-# Every tier runs even when one before it failed (a failure in the host tier hid the other two's
-# results); the command fails if any did, naming them. The guest tier runs beside the host and
-# compose tiers (scripts/tiers.py --help).
+# Every tier runs even when another failed; the command fails if any did, naming them. The
+# tiers run in two lanes side by side: guest then unit; compose then netns
+# (scripts/tiers.py --help).
 test: bootstrap
 	$(VENV)/bin/ruff check netem testbed tests benchmarks examples scripts
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/python scripts/tiers.py
 
 # Every tier several times while a busy loop keeps one core busy; prints failures per test.
-# SOAK="--tiers host --runs 2" narrows it (scripts/soak.py --help).
+# SOAK="--tiers unit,netns --runs 2" narrows it (scripts/soak.py --help).
 soak: bootstrap
 	$(VENV)/bin/python scripts/soak.py $(SOAK)
 

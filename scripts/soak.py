@@ -47,10 +47,10 @@ def run_tier(tier: str, index: int, out: Path) -> tuple[int, list[str], float]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tiers", default="host,compose,guest",
+    parser.add_argument("--tiers", default="unit,netns,compose,guest",
                         help="comma-separated, of: " + ", ".join(TIERS))
-    parser.add_argument("--runs", default="5,3,3",
-                        help="runs per tier, one number or one per tier (default 5,3,3)")
+    parser.add_argument("--runs", default="5,5,3,3",
+                        help="runs per tier, one number or one per tier (default 5,5,3,3)")
     parser.add_argument("--load", type=int, default=1,
                         help="CPU-bound processes kept busy meanwhile (default 1: one core)")
     parser.add_argument("--out", type=Path, default=ROOT / "build" / "soak",

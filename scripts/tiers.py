@@ -1,13 +1,15 @@
 #!/usr/bin/env python3
-"""Run the test tiers (`make test`): the guest tier in its User-Mode Linux guest beside the
-compose and host tiers, which run one after the other, in that order.
+"""Run the test tiers (`make test`) in two lanes side by side: the guest tier in its
+User-Mode Linux guest, then the unit tier; the compose tier, then the netns tier.
 
-The guest has one CPU (UML is not SMP) and keeps one core busy for its whole tier; the others
-run niced on what is left, so the guest's timed checks see the CPU they would see alone, and the
-others see one busy core, as `make soak` runs them. The compose tier goes first: it mostly waits
-(for its engine, containers and guest), so it loses little beside the guest, and the host tier,
-which keeps more than one core busy, has both once the guest is done. `--serial` runs the tiers
-one after another instead.
+The guest has one CPU (UML is not SMP) and keeps one core busy for its whole tier; the other
+tiers run niced on what is left, so the guest's timed checks see the CPU they would see alone.
+The compose tier mostly waits (for its engine, containers and guest), so it loses little beside
+the guest. The unit tests (no root, no namespaces) take the guest's core once it is done, beside
+the netns tier, which keeps about one core busy (a busy core beside it is what `make soak`
+gives it). The netns tier comes after the compose tier, never beside it: the Docker Engine the
+compose tier starts sets the host's FORWARD policy to DROP and loads br_netfilter, which would
+drop what the namespaces' bridges carry. `--serial` runs the tiers one after another instead.
 
 Standard library only: it runs before and beside the project's own venv."""
 
@@ -24,40 +26,77 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV = Path(os.environ.get("VENV", ROOT / ".venv"))
+_PYTEST = [str(VENV / "bin/python"), "-m", "pytest"]
 TIERS = {
-    "host": [str(VENV / "bin/python"), "-m", "pytest", "-m",
-             "not netem_kernel and not compose and not gpu", "tests"],
-    "compose": [str(VENV / "bin/python"), "-m", "pytest", "-m", "compose", "tests"],
+    "unit": [*_PYTEST, "-m", "not netns and not netem_kernel and not compose and not gpu",
+             "tests"],
+    "netns": [*_PYTEST, "-m", "netns and not netem_kernel and not compose and not gpu", "tests"],
+    "compose": [*_PYTEST, "-m", "compose", "tests"],
     "guest": [str(VENV / "bin/testbed"), "sandbox", "pytest", "-m", "netem_kernel", "tests"],
 }
-BESIDE = "guest"  # the tier that runs beside the others
-NICE = 10  # the others' niceness: the guest's one CPU goes first
+# Tiers in one lane run one after another, the lanes side by side; the first lane's output is
+# shown as it runs, the other's when it ends.
+LANES = (("compose", "netns"), ("guest", "unit"))
+UNNICED = "guest"  # the tier whose one CPU goes first
+NICE = 10  # the other tiers' niceness, beside it
+# How a tier is stopped early: pytest unwinds on SIGINT as on Ctrl-C (its fixtures' teardown
+# removes namespaces and stops the engine); the sandbox turns SIGTERM into a clean exit (the
+# guest powered off, its directory removed).
+STOP = {"guest": signal.SIGTERM}
 
 
-def _stamp_end(process: subprocess.Popen[bytes], ended: list[float]) -> None:
-    """Note when `process` ends: its tier's time, though it is read after the others end."""
-    process.wait()
-    ended.append(time.monotonic())
+class Lanes:
+    """The tiers' processes, so that a stop (Ctrl-C, a CI job's SIGTERM) ends every one."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._running: list[tuple[str, subprocess.Popen[bytes]]] = []
+        self._stopped = False
+        self.exits: dict[str, int] = {}
+        self.seconds: dict[str, float] = {}
+
+    def run(self, tier: str, command: list[str], sink: int | None) -> None:
+        """Run one tier to its end in its own process group, recording its exit and time."""
+        begun = time.monotonic()
+        with self._lock:
+            if self._stopped:
+                return
+            process = subprocess.Popen(command, cwd=ROOT, stdout=sink,
+                                       stderr=None if sink is None else subprocess.STDOUT,
+                                       start_new_session=True)
+            self._running.append((tier, process))
+        self.exits[tier] = process.wait()
+        self.seconds[tier] = time.monotonic() - begun
+
+    def stop(self) -> None:
+        """Stop every running tier's process group (`STOP`), then wait for their exits."""
+        with self._lock:
+            self._stopped = True
+            running = list(self._running)
+        for tier, process in running:
+            if process.poll() is None:
+                os.killpg(process.pid, STOP.get(tier, signal.SIGINT))
+        for _, process in running:
+            process.wait()
 
 
-def _stop(process: subprocess.Popen[bytes]) -> None:
-    """SIGTERM to the tier's process group (the sandbox turns it into a clean exit: the guest
-    powered off, its directory removed), then its exit."""
-    if process.poll() is None:
-        os.killpg(process.pid, signal.SIGTERM)
-    process.wait()
+def plan(tiers: list[str], serial: bool) -> list[list[str]]:
+    """The lanes to run, each the chosen tiers of one of LANES (in LANES' order); serially,
+    one lane of the tiers in the order given."""
+    if serial:
+        return [tiers]
+    return [lane for lane in ([t for t in group if t in tiers] for group in LANES) if lane]
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tiers", default="compose,host,guest",
-                        help="comma-separated, in the order to run them, of: "
-                             + ", ".join(TIERS) + " (default compose,host,guest)")
+    parser.add_argument("--tiers", default=",".join(TIERS),
+                        help="comma-separated, of: " + ", ".join(TIERS) + " (default all)")
     parser.add_argument("--serial", action="store_true",
-                        help="one tier after another, none niced")
+                        help="one tier after another, in the order given, none niced")
     parser.add_argument("--out", type=Path, default=ROOT / "build" / "tiers",
-                        help=f"where the {BESIDE} tier's log goes when it runs beside the "
-                             "others (default build/tiers)")
+                        help="where the logs of the tiers beside the first lane go "
+                             "(default build/tiers)")
     args = parser.parse_args()
     tiers = [t for t in args.tiers.split(",") if t]
     unknown = [t for t in tiers if t not in TIERS]
@@ -66,52 +105,53 @@ def main() -> int:
 
     # A CI job's timeout (SIGTERM) unwinds as Ctrl-C does: no guest is left running.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
-    beside = BESIDE in tiers and len(tiers) > 1 and not args.serial
+    lanes = plan(tiers, args.serial)
+    side_by_side = len(lanes) > 1
     started = time.monotonic()
-    exits: dict[str, int] = {}
-    seconds: dict[str, float] = {}
-    background = None
-    ended: list[float] = []  # when the tier beside ended, stamped as it ends
-    log = args.out / f"{BESIDE}.log"
+    state = Lanes()
+
+    def command(tier: str) -> list[str]:
+        niced = side_by_side and tier != UNNICED
+        return [*(["nice", "-n", str(NICE)] if niced else []), *TIERS[tier]]
+
+    def run_beside(lane: list[str]) -> None:
+        for tier in lane:
+            with (args.out / f"{tier}.log").open("wb") as sink:
+                state.run(tier, command(tier), sink.fileno())
+
+    threads = [threading.Thread(target=run_beside, args=(lane,), daemon=True)
+               for lane in lanes[1:]]
     try:
-        if beside:
+        if threads:
             args.out.mkdir(parents=True, exist_ok=True)
-            print(f"tiers: the {BESIDE} tier runs beside the others; its output: {log}",
-                  flush=True)
-            with log.open("wb") as sink:
-                background = subprocess.Popen(TIERS[BESIDE], cwd=ROOT, stdout=sink,
-                                              stderr=subprocess.STDOUT,
-                                              start_new_session=True)
-            stamper = threading.Thread(target=_stamp_end, args=(background, ended), daemon=True)
-            stamper.start()
-        for tier in tiers:
-            if beside and tier == BESIDE:
-                continue
+            beside = [tier for lane in lanes[1:] for tier in lane]
+            print(f"tiers: {', '.join(beside)} beside the others; their output: "
+                  f"{args.out}/TIER.log", flush=True)
+        for thread in threads:
+            thread.start()
+        for tier in lanes[0]:
             print(f"\ntiers: {tier} tier", flush=True)
-            begun = time.monotonic()
-            # nice(1), not preexec_fn: a thread runs here, and preexec_fn is unsafe beside one
-            niced = ["nice", "-n", str(NICE)] if beside else []
-            exits[tier] = subprocess.run([*niced, *TIERS[tier]], cwd=ROOT).returncode
-            seconds[tier] = time.monotonic() - begun
-        if background is not None:
-            stamper.join()
-            exits[BESIDE] = background.returncode
-            seconds[BESIDE] = ended[0] - started
-            print(f"\ntiers: {BESIDE} tier (ran beside the others)", flush=True)
-            sys.stdout.buffer.write(log.read_bytes())
-            sys.stdout.flush()
+            state.run(tier, command(tier), None)
+        for thread, lane in zip(threads, lanes[1:], strict=True):
+            thread.join()
+            for tier in lane:
+                print(f"\ntiers: {tier} tier (ran beside the others)", flush=True)
+                sys.stdout.buffer.write((args.out / f"{tier}.log").read_bytes())
+                sys.stdout.flush()
     finally:
-        if background is not None:
-            _stop(background)
+        state.stop()
     print()
     for tier in tiers:
-        print(f"tiers: {tier}: exit {exits[tier]}, {seconds[tier] / 60:.1f} min")
+        print(f"tiers: {tier}: exit {state.exits[tier]}, {state.seconds[tier] / 60:.1f} min")
     print(f"tiers: all: {(time.monotonic() - started) / 60:.1f} min")
-    failed = [tier for tier in tiers if exits[tier]]
+    failed = [tier for tier in tiers if state.exits[tier]]
     if failed:
         print(f"make test: tiers that failed: {' '.join(failed)}")
     return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # the tiers were stopped on the way out
+        sys.exit(130)
