@@ -13,7 +13,7 @@ measure: bootstrap
 	$(VENV)/bin/testbed demo
 
 # Every tier runs even when another failed; the command fails if any did, naming them. The
-# tiers run in two lanes side by side: guest then unit; compose then netns
+# tiers run side by side: guest; compose then netns; unit once compose has ended
 # (scripts/tiers.py --help).
 test: bootstrap
 	$(VENV)/bin/ruff check netem testbed tests benchmarks examples scripts

@@ -1,15 +1,17 @@
 #!/usr/bin/env python3
-"""Run the test tiers (`make test`) in two lanes side by side: the guest tier in its
-User-Mode Linux guest, then the unit tier; the compose tier, then the netns tier.
+"""Run the test tiers (`make test`) in three lanes side by side: the guest tier in its
+User-Mode Linux guest; the compose tier, then the netns tier; the unit tier once the compose
+tier has ended.
 
 The guest has one CPU (UML is not SMP) and keeps one core busy for its whole tier; the other
 tiers run niced on what is left, so the guest's timed checks see the CPU they would see alone.
 The compose tier mostly waits (for its engine, containers and guest), so it loses little beside
-the guest. The unit tests (no root, no namespaces) take the guest's core once it is done, beside
-the netns tier, which keeps about one core busy (a busy core beside it is what `make soak`
-gives it). The netns tier comes after the compose tier, never beside it: the Docker Engine the
-compose tier starts sets the host's FORWARD policy to DROP and loads br_netfilter, which would
-drop what the namespaces' bridges carry. `--serial` runs the tiers one after another instead.
+the guest, but the unit tests beside it stretched it by minutes (CPU its guest and containers
+wanted): they wait for its end and run beside the netns tier, which keeps about one core busy
+(a busy core beside it is what `make soak` gives it). The netns tier comes after the compose
+tier, never beside it: the Docker Engine the compose tier starts sets the host's FORWARD policy
+to DROP and loads br_netfilter, which would drop what the namespaces' bridges carry. `--serial`
+runs the tiers one after another instead.
 
 Standard library only: it runs before and beside the project's own venv."""
 
@@ -35,8 +37,9 @@ TIERS = {
     "guest": [str(VENV / "bin/testbed"), "sandbox", "pytest", "-m", "netem_kernel", "tests"],
 }
 # Tiers in one lane run one after another, the lanes side by side; the first lane's output is
-# shown as it runs, the other's when it ends.
-LANES = (("compose", "netns"), ("guest", "unit"))
+# shown as it runs, the others' when they end.
+LANES = (("compose", "netns"), ("guest",), ("unit",))
+AFTER = {"unit": "compose"}  # a tier that starts once that one (if it is run) has ended
 UNNICED = "guest"  # the tier whose one CPU goes first
 NICE = 10  # the other tiers' niceness, beside it
 # How a tier is stopped early: pytest unwinds on SIGINT as on Ctrl-C (its fixtures' teardown
@@ -54,6 +57,7 @@ class Lanes:
         self._stopped = False
         self.exits: dict[str, int] = {}
         self.seconds: dict[str, float] = {}
+        self.ended = {tier: threading.Event() for tier in TIERS}
 
     def run(self, tier: str, command: list[str], sink: int | None) -> None:
         """Run one tier to its end in its own process group, recording its exit and time."""
@@ -67,12 +71,15 @@ class Lanes:
             self._running.append((tier, process))
         self.exits[tier] = process.wait()
         self.seconds[tier] = time.monotonic() - begun
+        self.ended[tier].set()
 
     def stop(self) -> None:
         """Stop every running tier's process group (`STOP`), then wait for their exits."""
         with self._lock:
             self._stopped = True
             running = list(self._running)
+        for ended in self.ended.values():  # a tier waiting for another starts nothing
+            ended.set()
         for tier, process in running:
             if process.poll() is None:
                 os.killpg(process.pid, STOP.get(tier, signal.SIGINT))
@@ -116,6 +123,8 @@ def main() -> int:
 
     def run_beside(lane: list[str]) -> None:
         for tier in lane:
+            if AFTER.get(tier) in tiers:
+                state.ended[AFTER[tier]].wait()
             with (args.out / f"{tier}.log").open("wb") as sink:
                 state.run(tier, command(tier), sink.fileno())
 
